@@ -1,0 +1,23 @@
+"""flashcupy: exact, IO-aware attention (FlashAttention) for NumPy, CuPy and DLPack arrays."""
+
+from .api import (
+    dropout_mask,
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+    flash_attention_varlen,
+    flash_attention_vjp,
+)
+from .reference import attention_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention_reference",
+    "dropout_mask",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_forward",
+    "flash_attention_varlen",
+    "flash_attention_vjp",
+]

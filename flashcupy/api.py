@@ -1,0 +1,214 @@
+"""The public functions: normalise arguments, pick a backend, convert arrays back.
+
+Shapes follow NumPy/PyTorch SDPA: q (..., Hq, Lq, D), k (..., Hk, Lk, D),
+v (..., Hk, Lk, Dv), out (..., Hq, Lq, Dv), lse (..., Hq, Lq). See
+``flash_attention`` for every option; the other functions take the same
+keyword options.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from . import cpu, interop, rng
+from .problem import BACKENDS, OPTION_DEFAULTS, Problem, check_backward_arrays, make_host_problem
+
+def _backend(name: Any) -> str:
+    """The backend that will run: 'cpu' or 'cuda'."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, received {name!r}")
+    if name == "cuda":
+        raise RuntimeError(
+            "backend='cuda': this version of flashcupy has no CUDA kernels yet (they are in "
+            "development); use backend='cpu' or 'auto'"
+        )
+    return "cpu"
+
+
+def _prepare(q: Any, k: Any, v: Any, options: dict[str, Any]) -> tuple[Problem, Callable]:
+    """Validate a call once; returns the problem on host arrays and the converter back."""
+    _backend(options.get("backend", OPTION_DEFAULTS["backend"]))
+    restore = interop.restorer(q)
+    return make_host_problem(q, k, v, options), restore
+
+
+def _squeeze(pb: Problem, x):
+    """Drop the head axis added for 2-D inputs."""
+    return x[0] if pb.squeeze_head else x
+
+
+def _forward(pb: Problem, restore: Callable):
+    out, lse = cpu.forward(pb)
+    return restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))
+
+
+def _with_seed(options: dict[str, Any]) -> dict[str, Any]:
+    """Options with a fresh seed drawn when dropout is on and no seed was given."""
+    if options.get("seed") is None and options.get("dropout_p", 0.0) not in (0, 0.0):
+        return {**options, "seed": rng.new_seed()}
+    return options
+
+
+def flash_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool | str = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    mask: Any = None,
+    bias: Any = None,
+    alibi_slopes: Any = None,
+    softcap: float | None = None,
+    q_lengths: Any = None,
+    kv_lengths: Any = None,
+    block_mask: Any = None,
+    block_size: int | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    dropout_offset: int = 0,
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k: Any = None,
+    return_lse: bool = False,
+    allow_tf32: bool = False,
+    backend: str = "auto",
+):
+    """Exact attention softmax(scale * q k^T + bias, masked) v, computed tile by tile.
+
+    Args:
+        q: (..., Hq, Lq, D) queries; a 2-D (Lq, D) array is one head.
+        k: (..., Hk, Lk, D) keys, batch dims equal to q's, Hq % Hk == 0 (GQA/MQA:
+            query head h uses key head h // (Hq // Hk)).
+        v: (..., Hk, Lk, Dv) values. q, k, v share one dtype: float16, bfloat16
+            (``ml_dtypes.bfloat16``), float32 or float64. Any strides.
+        causal: True or 'bottom_right' keeps j <= i + Lk - Lq (FlashAttention >= 2.1);
+            'top_left' keeps j <= i (PyTorch ``is_causal``); with lengths, Lq and Lk
+            are the per-batch lengths.
+        scale: multiplies q k^T; default 1 / sqrt(D).
+        window: (left, right), ints >= 0 or None for unbounded: keeps
+            i + Lk - Lq - left <= j <= i + Lk - Lq + right.
+        mask: bool, broadcastable to (..., Hq, Lq, Lk); True = attend.
+        bias: float, broadcastable to (..., Hq, Lq, Lk); added to the scores.
+        alibi_slopes: broadcastable to (..., Hq); adds -slope * |i + Lk - Lq - j|.
+        softcap: s -> softcap * tanh(s / softcap), before bias and masks.
+        q_lengths, kv_lengths: ints broadcastable to the batch dims (...): rows
+            >= q_len give 0 (lse -inf), keys >= kv_len are masked.
+        block_mask, block_size: bool broadcastable to (..., Hq, ceil(Lq/bs),
+            ceil(Lk/bs)); score (i, j) kept only if block_mask[i//bs, j//bs].
+            Tiles it rules out are skipped.
+        dropout_p, seed, dropout_offset: dropout on the normalised probabilities
+            with Philox4x32-10 bits (see ``dropout_mask``); seed None draws one.
+        cu_seqlens_q, cu_seqlens_k: packed sequences (see ``flash_attention_varlen``).
+        return_lse: also return the natural-log log-sum-exp, (..., Hq, Lq),
+            float32 (float64 for float64 inputs).
+        allow_tf32: let float32 use TF32 tensor cores on the GPU (less accurate).
+        backend: 'auto', 'cpu' or 'cuda'.
+
+    Returns:
+        out (..., Hq, Lq, Dv), q's dtype and array kind; ``(out, lse)`` with
+        ``return_lse``. A row whose scores are all masked gives out 0 and lse -inf,
+        never NaN.
+    """
+    options = {name: value for name, value in locals().items() if name not in ("q", "k", "v")}
+    pb, restore = _prepare(q, k, v, _with_seed(options))
+    out, lse = _forward(pb, restore)
+    return (out, lse) if pb.return_lse else out
+
+
+def flash_attention_forward(q: Any, k: Any, v: Any, **options: Any):
+    """Forward pass returning ``(out, lse)`` for a later ``flash_attention_backward``.
+
+    Takes the keyword options of ``flash_attention``; ``seed`` is required when
+    ``dropout_p > 0`` so that the backward can regenerate the mask.
+    """
+    if options.get("dropout_p", 0.0) not in (0, 0.0) and options.get("seed") is None:
+        raise ValueError("seed: expected an int when dropout_p > 0 (the backward needs it), received None")
+    pb, restore = _prepare(q, k, v, options)
+    return _forward(pb, restore)
+
+
+def flash_attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    bias_grad: bool = False,
+    deterministic: bool = False,
+    **options: Any,
+):
+    """Gradients of ``flash_attention`` with respect to q, k, v (and bias).
+
+    Args:
+        dout: (..., Hq, Lq, Dv), the gradient of ``out``, q's dtype.
+        q, k, v: the forward's inputs; out, lse: the forward's results.
+        bias_grad: also return dbias, reduced to the bias's own shape.
+        deterministic: bitwise-repeatable gradients (the CPU backend always is).
+        **options: the forward's keyword options, the same seed included.
+
+    Returns:
+        ``(dq, dk, dv)`` with the shapes and dtype of q, k, v, plus ``dbias``
+        with ``bias_grad=True``. Fully masked rows contribute zero, never NaN.
+    """
+    for name, flag in (("bias_grad", bias_grad), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, received {flag!r}")
+    if bias_grad and options.get("bias") is None:
+        raise ValueError("bias_grad: expected a bias to differentiate, received bias=None")
+    pb, restore = _prepare(q, k, v, options)
+    dout, out, lse = check_backward_arrays(
+        pb, interop.to_numpy(dout), interop.to_numpy(out), interop.to_numpy(lse)
+    )
+    dq, dk, dv, dbias = cpu.backward(pb, dout, out, lse, bias_grad)
+    grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
+    return grads + (restore(dbias),) if bias_grad else grads
+
+
+def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
+    """Forward pass and its vector-Jacobian product: ``out, vjp = ...; vjp(dout)``.
+
+    ``vjp(dout)`` returns ``(dq, dk, dv)``, plus ``dbias`` when a bias was given.
+    With dropout and no seed, a seed is drawn here and kept for the backward.
+    ``return_lse=True`` makes the first result ``(out, lse)``.
+    """
+    options = _with_seed(options)
+    pb, restore = _prepare(q, k, v, options)
+    out, lse = cpu.forward(pb)
+
+    def vjp(dout: Any):
+        """(dq, dk, dv[, dbias]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
+        d_out, _, _ = check_backward_arrays(pb, interop.to_numpy(dout), _squeeze(pb, out), _squeeze(pb, lse))
+        dq, dk, dv, dbias = cpu.backward(pb, d_out, out, lse, pb.bias is not None)
+        grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
+        return grads + (restore(dbias),) if pb.bias is not None else grads
+
+    result = (restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))) if pb.return_lse else restore(_squeeze(pb, out))
+    return result, vjp
+
+
+def flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any):
+    """Attention over packed variable-length sequences.
+
+    q (Hq, total_q, D), k (Hk, total_k, D), v (Hk, total_k, Dv); sequence b holds
+    rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and keys cu_seqlens_k[b]:cu_seqlens_k[b+1].
+    cu_seqlens are non-decreasing int32 vectors of length batch + 1 starting at 0
+    and ending at the packed length. Positions (causal, window, ALiBi, dropout)
+    are inside each sequence, and mask, bias and block_mask are indexed in the
+    padded frame (batch, Hq, max_len_q, max_len_k), so this equals the padded
+    call with ``q_lengths``/``kv_lengths``. Returns out (Hq, total_q, Dv), and
+    lse (Hq, total_q) with ``return_lse``. Other options as ``flash_attention``.
+    """
+    return flash_attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options)
+
+
+def dropout_mask(shape: tuple[int, ...], p: float, seed: int, offset: int = 0):
+    """The exact keep mask (bool, True = kept) the kernels use for ``shape`` = (..., Hq, Lq, Lk).
+
+    Element (bh, i, j), bh the flat index over the leading dims, comes from
+    Philox4x32-10 with key (seed mod 2^32, seed >> 32) and counter
+    (j >> 2, i, bh, offset): kept when word j & 3 >= round(p * 2^32).
+    """
+    return rng.dropout_mask(shape, p, seed, offset)

@@ -1,0 +1,89 @@
+"""Array kinds in and out: NumPy, CuPy, DLPack and ``__cuda_array_interface__`` arrays.
+
+The backends compute on NumPy arrays (CPU) or CuPy arrays (CUDA). This module
+turns whatever the caller passed into those and turns results back into the
+caller's kind: NumPy in, NumPy out; CuPy in, CuPy out; a PyTorch or JAX array
+in (through DLPack), the same kind out.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+_DLPACK_CPU = 1  # DLDeviceType kDLCPU
+
+
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def _on_cpu_dlpack(x: Any) -> bool:
+    try:
+        return x.__dlpack_device__()[0] == _DLPACK_CPU
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RuntimeError(
+            "a GPU array was passed but CuPy is not installed: pip install 'flashcupy[cuda12]' "
+            "or 'flashcupy[cuda13]'"
+        ) from exc
+    return cupy
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A host NumPy array with ``x``'s data (no copy where NumPy can share it)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _is_cupy(x):
+        return x.get()
+    if hasattr(x, "__dlpack__") and _on_cpu_dlpack(x):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError) as exc:
+            raise TypeError(
+                f"cannot read a {type(x).__name__} of dtype {getattr(x, 'dtype', '?')} through DLPack: {exc}"
+            ) from exc
+    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
+        return _cupy().asarray(x).get()
+    return np.asarray(x)
+
+
+def _namespace(x: Any):
+    """The module whose ``from_dlpack`` builds arrays of ``x``'s kind."""
+    if hasattr(x, "__array_namespace__"):
+        return x.__array_namespace__()
+    return sys.modules[type(x).__module__.split(".")[0]]
+
+
+def restorer(x: Any) -> Callable[[np.ndarray], Any]:
+    """A function turning a NumPy result back into ``x``'s array kind."""
+    if isinstance(x, np.ndarray) or not (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
+        return lambda a: a
+    if _is_cupy(x):
+        cupy = _cupy()
+        return lambda a: cupy.asarray(a)
+    ns = _namespace(x)
+    if _on_cpu_dlpack(x):
+        return lambda a: ns.from_dlpack(a)
+    cupy = _cupy()
+    return lambda a: ns.from_dlpack(cupy.asarray(a))
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_usable() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
+        return False

@@ -1,0 +1,538 @@
+"""One validated, normalised description of an attention call.
+
+Every public function funnels its arguments through :func:`make_problem` (and
+:func:`check_backward_arrays` for gradients). This is the single place where bad
+input becomes a :class:`TypeError` or :class:`ValueError` that names the
+argument, what was expected and what was received; the backends and the
+reference trust a :class:`Problem` without checking again.
+
+Frames. A problem is a set of *segments*, one per (batch..., query head). For a
+padded call q is ``(*batch, Hq, Lq, D)`` and every segment sees an ``(Lq, D)``
+frame of which the first ``q_len`` rows are valid. For a packed (varlen) call q
+is ``(Hq, total_q, D)``, batch is ``(B,)`` from ``cu_seqlens`` and a segment's
+rows are the slice of its sequence. Masks, bias and block masks are always
+indexed in the padded frame ``(*batch, Hq, Lq, Lk)`` with positions inside the
+sequence, so a packed call equals the padded call with the same lengths.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import ml_dtypes
+import numpy as np
+
+from . import interop, rng
+
+FLOAT_DTYPES = (
+    np.dtype(np.float16),
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+)
+MAX_HEAD_DIM = 512
+#: Options that carry arrays (converted to the backend's array module before validation).
+ARRAY_OPTIONS = (
+    "mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths", "block_mask", "cu_seqlens_q", "cu_seqlens_k",
+)
+BACKENDS = ("auto", "cpu", "cuda")
+CAUSAL_MODES = {"bottom_right": "bottom_right", "top_left": "top_left"}
+
+#: The keyword options every public attention function accepts, with defaults.
+OPTION_DEFAULTS: dict[str, Any] = {
+    "causal": False,
+    "scale": None,
+    "window": None,
+    "mask": None,
+    "bias": None,
+    "alibi_slopes": None,
+    "softcap": None,
+    "q_lengths": None,
+    "kv_lengths": None,
+    "block_mask": None,
+    "block_size": None,
+    "dropout_p": 0.0,
+    "seed": None,
+    "dropout_offset": 0,
+    "cu_seqlens_q": None,
+    "cu_seqlens_k": None,
+    "return_lse": False,
+    "allow_tf32": False,
+    "backend": "auto",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Human name of a dtype ('bfloat16' for ml_dtypes' bfloat16)."""
+    return np.dtype(dtype).name
+
+
+def accumulator_dtype(dtype: np.dtype) -> np.dtype:
+    """float64 accumulates in float64; every narrower float in float32."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def lse_dtype(dtype: np.dtype) -> np.dtype:
+    """The log-sum-exp is float32, float64 for float64 inputs."""
+    return accumulator_dtype(dtype)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One (batch..., query head) slice of a problem.
+
+    ``q_index`` indexes q, out, dout and dq to an ``(rows, D)`` frame whose
+    first ``q_len`` rows are valid; ``k_index`` indexes k, v, dk and dv to an
+    ``(keys, D)`` frame whose first ``kv_len`` rows are valid; ``lse_index``
+    indexes lse to ``(rows,)``; ``head`` indexes the padded-frame views (mask,
+    bias, block mask: ``(Lq, Lk)``-like; slopes: a scalar); ``bh`` is the C-order
+    flat index over ``(*batch, Hq)``, the Philox counter's third word.
+    """
+
+    bh: int
+    head: tuple
+    q_index: tuple
+    lse_index: tuple
+    k_index: tuple
+    q_len: int
+    kv_len: int
+
+    @property
+    def diagonal(self) -> int:
+        """Offset of the bottom-right diagonal: column i + diagonal aligns with row i."""
+        return self.kv_len - self.q_len
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated attention call. Arrays keep the caller's strides.
+
+    q: (*batch, Hq, Lq, D), k: (*batch, Hk, Lk, D), v: (*batch, Hk, Lk, Dv); for a
+    packed call (Hq, total_q, D), (Hk, total_k, D), (Hk, total_k, Dv), with
+    ``seqlen_q``/``seqlen_k`` the longest sequences. ``mask``, ``bias`` and
+    ``block_mask`` are broadcast views of shape (*batch, Hq, Lq, Lk) and
+    (*batch, Hq, ceil(Lq/bs), ceil(Lk/bs)); ``bias_shape`` is the bias's own shape.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    batch: tuple[int, ...]
+    num_heads_q: int
+    num_heads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: np.dtype
+    scale: float
+    softcap: float | None
+    causal: str | None
+    window: tuple[int | None, int | None] | None
+    mask: Any
+    bias: Any
+    bias_shape: tuple[int, ...] | None
+    alibi_slopes: np.ndarray | None
+    q_lengths: np.ndarray | None
+    kv_lengths: np.ndarray | None
+    block_mask: Any
+    block_size: int | None
+    cu_seqlens_q: np.ndarray | None
+    cu_seqlens_k: np.ndarray | None
+    dropout_p: float
+    seed: int | None
+    dropout_offset: int
+    return_lse: bool
+    allow_tf32: bool
+    backend: str
+    squeeze_head: bool
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (GQA/MQA)."""
+        return self.num_heads_q // self.num_heads_k
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """Shape of ``out`` as the caller sees it."""
+        return self.q.shape[:-1] + (self.head_dim_v,)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        return self.q.shape[:-1]
+
+    def segments(self) -> Iterator[Segment]:
+        """Every (batch..., query head) segment, in C order of ``bh``."""
+        g = self.group_size
+        if self.varlen:
+            cq, ck = self.cu_seqlens_q, self.cu_seqlens_k
+            for b in range(self.batch[0]):
+                rows = slice(int(cq[b]), int(cq[b + 1]))
+                keys = slice(int(ck[b]), int(ck[b + 1]))
+                for h in range(self.num_heads_q):
+                    yield Segment(
+                        bh=b * self.num_heads_q + h,
+                        head=(b, h),
+                        q_index=(h, rows),
+                        lse_index=(h, rows),
+                        k_index=(h // g, keys),
+                        q_len=rows.stop - rows.start,
+                        kv_len=keys.stop - keys.start,
+                    )
+            return
+        bh = 0
+        for b in np.ndindex(*self.batch):
+            q_len = self.seqlen_q if self.q_lengths is None else int(self.q_lengths[b])
+            kv_len = self.seqlen_k if self.kv_lengths is None else int(self.kv_lengths[b])
+            for h in range(self.num_heads_q):
+                yield Segment(
+                    bh=bh,
+                    head=b + (h,),
+                    q_index=b + (h,),
+                    lse_index=b + (h,),
+                    k_index=b + (h // g,),
+                    q_len=q_len,
+                    kv_len=kv_len,
+                )
+                bh += 1
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _describe(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{type(x).__name__} of shape {tuple(x.shape)} and dtype {dtype_name(x.dtype)}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def _check_array(name: str, x: Any) -> None:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+        raise TypeError(f"{name}: expected an array, received {_describe(x)}")
+
+
+def _check_float_dtype(name: str, x: Any) -> None:
+    if np.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), "
+            f"received {dtype_name(x.dtype)}"
+        )
+
+
+def _broadcast_view(name: str, x: Any, target: tuple[int, ...], xp: Any) -> Any:
+    """``x`` broadcast (as a stride-0 view) to ``target``, or a ValueError."""
+    ok = x.ndim <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(x.shape), reversed(target))
+    )
+    if not ok:
+        raise ValueError(
+            f"{name}: expected a shape broadcastable to {target}, received {tuple(x.shape)}"
+        )
+    return xp.broadcast_to(x, target)
+
+
+def _host_int_array(name: str, x: Any, target: tuple[int, ...], low: int, high: int) -> np.ndarray:
+    """Lengths as host int64 broadcast to ``target``, each in [low, high]."""
+    arr = interop.to_numpy(x)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integers, received dtype {dtype_name(arr.dtype)}")
+    arr = _broadcast_view(name, arr, target, np).astype(np.int64)
+    if arr.size and (arr.min() < low or arr.max() > high):
+        raise ValueError(
+            f"{name}: expected values in [{low}, {high}], received values in "
+            f"[{arr.min()}, {arr.max()}]"
+        )
+    return arr
+
+
+def _check_cu_seqlens(name: str, x: Any, total: int) -> np.ndarray:
+    arr = interop.to_numpy(x)
+    if isinstance(x, (list, tuple)) and arr.dtype.kind in "iu":
+        arr = arr.astype(np.int32)
+    if arr.dtype != np.int32:
+        raise TypeError(f"{name}: expected an int32 vector, received dtype {dtype_name(arr.dtype)}")
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(f"{name}: expected a 1-D vector of length batch + 1, received shape {arr.shape}")
+    if arr[0] != 0:
+        raise ValueError(f"{name}: expected the first value to be 0, received {arr[0]}")
+    if np.any(np.diff(arr.astype(np.int64)) < 0):
+        raise ValueError(f"{name}: expected non-decreasing values, received {arr.tolist()}")
+    if arr[-1] != total:
+        raise ValueError(
+            f"{name}: expected the last value to equal the packed length {total}, received {arr[-1]}"
+        )
+    return arr.astype(np.int64)
+
+
+def _check_window(window: Any) -> tuple[int | None, int | None] | None:
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected a pair (left, right) of ints >= 0 or None, received {window!r}")
+    for side, w in zip(("left", "right"), window):
+        if w is not None and not _is_int(w):
+            raise TypeError(f"window: expected {side} to be an int >= 0 or None, received {w!r}")
+        if w is not None and w < 0:
+            raise ValueError(f"window: expected {side} to be >= 0 or None, received {w}")
+    left, right = (None if w is None else int(w) for w in window)
+    return None if left is None and right is None else (left, right)
+
+
+def _check_causal(causal: Any) -> str | None:
+    if isinstance(causal, (bool, np.bool_)):
+        return "bottom_right" if causal else None
+    if isinstance(causal, str) and causal in CAUSAL_MODES:
+        return CAUSAL_MODES[causal]
+    raise ValueError(
+        f"causal: expected True, False, 'bottom_right' or 'top_left', received {causal!r}"
+    )
+
+
+def check_dropout(dropout_p: Any, seed: Any, offset: Any) -> tuple[float, int | None, int]:
+    """Validated (dropout_p, seed, offset); the seed may still be None."""
+    if not _is_real(dropout_p):
+        raise TypeError(f"dropout_p: expected a float in [0, 1), received {dropout_p!r}")
+    rng.dropout_threshold(float(dropout_p))
+    if seed is not None:
+        if not _is_int(seed):
+            raise TypeError(f"seed: expected an int in [0, 2**64) or None, received {seed!r}")
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"seed: expected an int in [0, 2**64), received {seed}")
+        seed = int(seed)
+    if not _is_int(offset):
+        raise TypeError(f"dropout_offset: expected an int in [0, 2**32), received {offset!r}")
+    if not 0 <= offset < 2**32:
+        raise ValueError(f"dropout_offset: expected an int in [0, 2**32), received {offset}")
+    return float(dropout_p), seed, int(offset)
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) -> Problem:
+    """Validate ``q``, ``k``, ``v`` and the keyword ``options`` once.
+
+    ``xp`` is the array module of q, k, v (NumPy or CuPy): array options are
+    broadcast with it. Unknown option names raise TypeError.
+    """
+    unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(unknown)}; "
+            f"expected some of {', '.join(OPTION_DEFAULTS)}"
+        )
+    o = {**OPTION_DEFAULTS, **options}
+
+    backend = o["backend"]
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, received {backend!r}")
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x)
+        _check_float_dtype(name, x)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            "q, k, v: expected one dtype, received "
+            f"{dtype_name(q.dtype)}, {dtype_name(k.dtype)}, {dtype_name(v.dtype)}"
+        )
+
+    varlen = o["cu_seqlens_q"] is not None or o["cu_seqlens_k"] is not None
+    if varlen:
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
+            if o[name] is None:
+                raise ValueError(f"{name}: expected an int32 vector with the other cu_seqlens, received None")
+        for name in ("q_lengths", "kv_lengths"):
+            if o[name] is not None:
+                raise ValueError(f"{name}: expected None for packed sequences (cu_seqlens give the lengths)")
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim != 3:
+                raise ValueError(
+                    f"{name}: expected a packed array (heads, total, head_dim), received shape {tuple(x.shape)}"
+                )
+    else:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim < 2:
+                raise ValueError(f"{name}: expected at least 2 dimensions (..., L, D), received shape {tuple(x.shape)}")
+        if not q.ndim == k.ndim == v.ndim:
+            raise ValueError(
+                f"q, k, v: expected the same number of dimensions, received shapes "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+
+    squeeze_head = q.ndim == 2
+    if squeeze_head:
+        q, k, v = q[None], k[None], v[None]
+
+    batch_q, batch_k, batch_v = q.shape[:-3], k.shape[:-3], v.shape[:-3]
+    if not batch_q == batch_k == batch_v:
+        raise ValueError(
+            f"q, k, v: expected equal batch dimensions, received {batch_q}, {batch_k}, {batch_v}"
+        )
+    hq, lq, d = q.shape[-3:]
+    hk, lk, dk = k.shape[-3:]
+    if dk != d:
+        raise ValueError(f"k: expected head dim {d} (q's), received {dk}")
+    if v.shape[-3:-1] != (hk, lk):
+        raise ValueError(
+            f"v: expected (heads, length) = {(hk, lk)} like k, received {tuple(v.shape[-3:-1])}"
+        )
+    dv = v.shape[-1]
+    for name, dim in (("q", d), ("v", dv)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected a head dim in 1..{MAX_HEAD_DIM}, received {dim}")
+    if hk == 0 or hq % hk:
+        raise ValueError(
+            f"k: expected a number of heads dividing q's {hq} (GQA/MQA), received {hk}"
+        )
+
+    cu_q = cu_k = None
+    if varlen:
+        cu_q = _check_cu_seqlens("cu_seqlens_q", o["cu_seqlens_q"], lq)
+        cu_k = _check_cu_seqlens("cu_seqlens_k", o["cu_seqlens_k"], lk)
+        if cu_q.shape != cu_k.shape:
+            raise ValueError(
+                f"cu_seqlens_k: expected length {cu_q.shape[0]} like cu_seqlens_q, received {cu_k.shape[0]}"
+            )
+        batch = (cu_q.shape[0] - 1,)
+        frame_q = int(np.diff(cu_q).max(initial=0))
+        frame_k = int(np.diff(cu_k).max(initial=0))
+    else:
+        batch, frame_q, frame_k = tuple(batch_q), lq, lk
+
+    scale = o["scale"]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif not _is_real(scale) or not math.isfinite(scale):
+        raise TypeError(f"scale: expected a finite real number or None, received {scale!r}")
+
+    softcap = o["softcap"]
+    if softcap is not None:
+        if not _is_real(softcap):
+            raise TypeError(f"softcap: expected a positive float or None, received {softcap!r}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap: expected a positive finite float or None, received {softcap}")
+        softcap = float(softcap)
+
+    causal = _check_causal(o["causal"])
+    window = _check_window(o["window"])
+    scores_shape = batch + (hq, frame_q, frame_k)
+
+    mask = o["mask"]
+    if mask is not None:
+        _check_array("mask", mask)
+        if mask.dtype != np.bool_:
+            raise TypeError(f"mask: expected dtype bool (True = attend), received {dtype_name(mask.dtype)}")
+        mask = _broadcast_view("mask", mask, scores_shape, xp)
+
+    bias, bias_shape = o["bias"], None
+    if bias is not None:
+        _check_array("bias", bias)
+        if np.dtype(bias.dtype) not in FLOAT_DTYPES:
+            raise TypeError(
+                f"bias: expected a floating dtype (float16, bfloat16, float32 or float64), "
+                f"received {dtype_name(bias.dtype)}"
+            )
+        bias_shape = tuple(bias.shape)
+        bias = _broadcast_view("bias", bias, scores_shape, xp)
+
+    slopes = o["alibi_slopes"]
+    if slopes is not None:
+        host = interop.to_numpy(slopes)
+        if host.dtype.kind not in "iuf" and host.dtype != ml_dtypes.bfloat16:
+            raise TypeError(f"alibi_slopes: expected real numbers, received dtype {dtype_name(host.dtype)}")
+        slopes = np.array(_broadcast_view("alibi_slopes", host, batch + (hq,), np), dtype=np.float64)
+
+    q_lengths = kv_lengths = None
+    if o["q_lengths"] is not None:
+        q_lengths = _host_int_array("q_lengths", o["q_lengths"], batch, 0, lq)
+    if o["kv_lengths"] is not None:
+        kv_lengths = _host_int_array("kv_lengths", o["kv_lengths"], batch, 0, lk)
+
+    block_mask, block_size = o["block_mask"], o["block_size"]
+    if block_mask is not None:
+        _check_array("block_mask", block_mask)
+        if block_mask.dtype != np.bool_:
+            raise TypeError(f"block_mask: expected dtype bool, received {dtype_name(block_mask.dtype)}")
+        if block_size is None:
+            raise ValueError("block_size: expected a positive int with block_mask, received None")
+    if block_size is not None:
+        if block_mask is None:
+            raise ValueError("block_size: expected None without block_mask, received " + repr(block_size))
+        if not _is_int(block_size):
+            raise TypeError(f"block_size: expected a positive int, received {block_size!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size: expected a positive int, received {block_size}")
+        block_size = int(block_size)
+        blocks = batch + (hq, -(-frame_q // block_size), -(-frame_k // block_size))
+        block_mask = _broadcast_view("block_mask", block_mask, blocks, xp)
+
+    dropout_p, seed, offset = check_dropout(o["dropout_p"], o["seed"], o["dropout_offset"])
+
+    for name in ("return_lse", "allow_tf32"):
+        if not isinstance(o[name], (bool, np.bool_)):
+            raise TypeError(f"{name}: expected a bool, received {o[name]!r}")
+
+    return Problem(
+        q=q, k=k, v=v, batch=batch, num_heads_q=hq, num_heads_k=hk,
+        seqlen_q=frame_q, seqlen_k=frame_k, head_dim=d, head_dim_v=dv,
+        dtype=np.dtype(q.dtype), scale=float(scale), softcap=softcap, causal=causal,
+        window=window, mask=mask, bias=bias, bias_shape=bias_shape, alibi_slopes=slopes,
+        q_lengths=q_lengths, kv_lengths=kv_lengths, block_mask=block_mask,
+        block_size=block_size, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        dropout_p=dropout_p, seed=seed, dropout_offset=offset,
+        return_lse=bool(o["return_lse"]), allow_tf32=bool(o["allow_tf32"]),
+        backend=backend, squeeze_head=squeeze_head,
+    )
+
+
+def make_host_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem:
+    """:func:`make_problem` on host NumPy copies (or views) of every array argument."""
+    host = {n: interop.to_numpy(options[n]) for n in ARRAY_OPTIONS if options.get(n) is not None}
+    return make_problem(interop.to_numpy(q), interop.to_numpy(k), interop.to_numpy(v), {**options, **host})
+
+
+def check_backward_arrays(problem: Problem, dout: Any, out: Any, lse: Any) -> tuple[Any, Any, Any]:
+    """Validate the forward's outputs and the incoming gradient for ``problem``.
+
+    Returns (dout, out, lse) in the problem's internal layout (a leading head
+    axis added for 2-D inputs).
+    """
+    out_shape, lse_shape = problem.out_shape, problem.lse_shape
+    if problem.squeeze_head:
+        out_shape, lse_shape = out_shape[1:], lse_shape[1:]
+    for name, x, shape in (("dout", dout, out_shape), ("out", out, out_shape)):
+        _check_array(name, x)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, received {tuple(x.shape)}")
+        if x.dtype != problem.dtype:
+            raise TypeError(
+                f"{name}: expected dtype {dtype_name(problem.dtype)} like q, received {dtype_name(x.dtype)}"
+            )
+    _check_array("lse", lse)
+    if tuple(lse.shape) != lse_shape:
+        raise ValueError(f"lse: expected shape {lse_shape}, received {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"lse: expected a floating dtype, received {dtype_name(lse.dtype)}")
+    if problem.dropout_p > 0 and problem.seed is None:
+        raise ValueError(
+            "seed: expected the forward pass's seed when dropout_p > 0 (the backward regenerates "
+            "the dropout mask from it), received None"
+        )
+    if problem.squeeze_head:
+        dout, out, lse = dout[None], out[None], lse[None]
+    return dout, out, lse

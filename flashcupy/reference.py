@@ -1,0 +1,233 @@
+"""Dense float64 reference of design.md section 2, forward and analytic backward.
+
+This is the oracle every backend is tested against, so it is written for
+clarity, not memory: it materialises the full (*batch, Hq, Lq, Lk) score
+matrix. It shares only argument validation (:mod:`flashcupy.problem`) and the
+dropout bits (:mod:`flashcupy.rng`) with the backends; the maths is its own.
+
+``compute_dtype`` rounds every intermediate (scores, probabilities, products)
+to a narrower dtype, which gives the "naive attention in the input dtype" that
+the tolerance rule of design.md section 4 compares against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy.special import logsumexp
+
+from . import interop, rng
+from .problem import Problem, check_backward_arrays, make_host_problem
+
+
+@dataclass
+class _Forward:
+    """Everything the backward needs from a dense forward, all in the padded frame."""
+
+    q: np.ndarray   # (*batch, Hq, Lq, D), zero outside the lengths
+    k: np.ndarray   # (*batch, Hq, Lk, D), k repeated over each GQA group
+    v: np.ndarray   # (*batch, Hq, Lk, Dv)
+    tanh: np.ndarray | None  # tanh(s_raw / softcap), (*batch, Hq, Lq, Lk)
+    p: np.ndarray   # softmax probabilities before dropout
+    pd: np.ndarray  # after dropout: p * keep / (1 - dropout_p)
+    zd: np.ndarray | None  # keep / (1 - dropout_p), or None without dropout
+    out: np.ndarray  # (*batch, Hq, Lq, Dv)
+    lse: np.ndarray  # (*batch, Hq, Lq)
+
+
+def _rounder(compute_dtype: Any):
+    dt = np.dtype(compute_dtype)
+    if dt == np.float64:
+        return lambda x: x
+    return lambda x: x.astype(dt).astype(np.float64)
+
+
+def _frame_lengths(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Per-batch (q_len, kv_len) as int64 arrays of shape batch."""
+    if pb.varlen:
+        return np.diff(pb.cu_seqlens_q), np.diff(pb.cu_seqlens_k)
+    ql = np.full(pb.batch, pb.seqlen_q) if pb.q_lengths is None else pb.q_lengths
+    kl = np.full(pb.batch, pb.seqlen_k) if pb.kv_lengths is None else pb.kv_lengths
+    return np.asarray(ql, dtype=np.int64), np.asarray(kl, dtype=np.int64)
+
+
+def _to_frame(pb: Problem, x: np.ndarray, cu: np.ndarray | None, frame: int) -> np.ndarray:
+    """(H, total, d) packed -> (B, H, frame, d) padded with zeros; padded input as float64."""
+    x = np.asarray(x, dtype=np.float64)
+    if cu is None:
+        return x
+    out = np.zeros((len(cu) - 1, x.shape[0], frame) + x.shape[2:])
+    for b in range(len(cu) - 1):
+        out[b, :, : cu[b + 1] - cu[b]] = x[:, cu[b] : cu[b + 1]]
+    return out
+
+
+def _from_frame(x: np.ndarray, cu: np.ndarray | None) -> np.ndarray:
+    """Inverse of :func:`_to_frame`: (B, H, frame, ...) -> (H, total, ...)."""
+    if cu is None:
+        return x
+    parts = [x[b, :, : cu[b + 1] - cu[b]] for b in range(len(cu) - 1)]
+    if not parts:
+        return np.zeros((x.shape[1], 0) + x.shape[3:])
+    return np.concatenate(parts, axis=1)
+
+
+def _allowed(pb: Problem, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+    """Boolean (*batch, Hq, Lq, Lk): True where score (i, j) survives every mask."""
+    lq, lk = pb.seqlen_q, pb.seqlen_k
+    i = np.arange(lq)[:, None]
+    j = np.arange(lk)[None, :]
+    ql = q_len[..., None, None, None]
+    kl = kv_len[..., None, None, None]
+    diag = kl - ql
+    allowed = (i < ql) & (j < kl) & np.ones((pb.num_heads_q, 1, 1), dtype=bool)
+    if pb.causal == "bottom_right":
+        allowed = allowed & (j <= i + diag)
+    elif pb.causal == "top_left":
+        allowed = allowed & (j <= i)
+    if pb.window is not None:
+        left, right = pb.window
+        if left is not None:
+            allowed = allowed & (j >= i + diag - left)
+        if right is not None:
+            allowed = allowed & (j <= i + diag + right)
+    if pb.mask is not None:
+        allowed = allowed & np.asarray(pb.mask)
+    if pb.block_mask is not None:
+        bs = pb.block_size
+        bm = np.asarray(pb.block_mask)
+        allowed = allowed & bm[..., np.arange(lq) // bs, :][..., np.arange(lk) // bs]
+    return np.broadcast_to(allowed, pb.batch + (pb.num_heads_q, lq, lk))
+
+
+def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
+    rnd = _rounder(compute_dtype)
+    q_len, kv_len = _frame_lengths(pb)
+    q = _to_frame(pb, pb.q, pb.cu_seqlens_q, pb.seqlen_q)
+    k = _to_frame(pb, pb.k, pb.cu_seqlens_k, pb.seqlen_k)
+    v = _to_frame(pb, pb.v, pb.cu_seqlens_k, pb.seqlen_k)
+    # Padding beyond the lengths is never read: zero it so NaN there cannot leak through 0 * NaN.
+    q = np.where(np.arange(pb.seqlen_q)[:, None] < q_len[..., None, None, None], q, 0.0)
+    kv_valid = np.arange(pb.seqlen_k)[:, None] < kv_len[..., None, None, None]
+    k = np.repeat(np.where(kv_valid, k, 0.0), pb.group_size, axis=-3)
+    v = np.repeat(np.where(kv_valid, v, 0.0), pb.group_size, axis=-3)
+
+    s = rnd(pb.scale * np.einsum("...id,...jd->...ij", q, k))
+    tanh = None
+    if pb.softcap is not None:
+        tanh = np.tanh(s / pb.softcap)
+        s = rnd(pb.softcap * tanh)
+    if pb.bias is not None:
+        s = rnd(s + np.asarray(pb.bias, dtype=np.float64))
+    if pb.alibi_slopes is not None:
+        i = np.arange(pb.seqlen_q)[:, None]
+        j = np.arange(pb.seqlen_k)[None, :]
+        dist = np.abs(i + (kv_len - q_len)[..., None, None, None] - j)
+        s = rnd(s - pb.alibi_slopes[..., None, None] * dist)
+    s = np.where(_allowed(pb, q_len, kv_len), s, -np.inf)
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = logsumexp(s, axis=-1)
+    # A fully masked row has lse = -inf; subtracting 0 instead gives exp(-inf) = 0, never NaN.
+    lse_safe = np.where(lse == -np.inf, 0.0, lse)
+    p = rnd(np.exp(s - lse_safe[..., None]))
+    zd = None
+    pd = p
+    if pb.dropout_p > 0:
+        keep = rng.dropout_mask(s.shape, pb.dropout_p, pb.seed, pb.dropout_offset)
+        zd = keep / (1.0 - pb.dropout_p)
+        pd = rnd(p * zd)
+    out = rnd(pd @ v)
+    return _Forward(q=q, k=k, v=v, tanh=tanh, p=p, pd=pd, zd=zd, out=out, lse=lse)
+
+
+def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``x`` over the axes that ``shape`` broadcasts (the reverse of broadcasting)."""
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead)))
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def _group_sum(x: np.ndarray, pb: Problem) -> np.ndarray:
+    """(*batch, Hq, L, d) -> (*batch, Hk, L, d), summing each GQA group."""
+    shape = x.shape[:-3] + (pb.num_heads_k, pb.group_size) + x.shape[-2:]
+    return x.reshape(shape).sum(axis=-3)
+
+
+def _backward(pb: Problem, fw: _Forward, dout: np.ndarray, compute_dtype: Any = np.float64):
+    """Analytic gradients (dq, dk, dv, dbias) in the padded frame from a dense forward."""
+    rnd = _rounder(compute_dtype)
+    q_len, _ = _frame_lengths(pb)
+    dout = np.where(np.arange(pb.seqlen_q)[:, None] < q_len[..., None, None, None], dout, 0.0)
+    dv = rnd(_group_sum(np.swapaxes(fw.pd, -1, -2) @ dout, pb))
+    dp = rnd(dout @ np.swapaxes(fw.v, -1, -2))
+    if fw.zd is not None:
+        dp = dp * fw.zd
+    delta = np.sum(dout * fw.out, axis=-1, keepdims=True)
+    ds = rnd(fw.p * (dp - delta))
+    dbias = None if pb.bias is None else _sum_to_shape(ds, pb.bias_shape)
+    if fw.tanh is not None:
+        ds = ds * (1.0 - fw.tanh**2)  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
+    dq = rnd(pb.scale * (ds @ fw.k))
+    dk = rnd(_group_sum(pb.scale * (np.swapaxes(ds, -1, -2) @ fw.q), pb))
+    return dq, dk, dv, dbias
+
+
+def forward(pb: Problem, compute_dtype: Any = np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse) of a validated problem in its own layout, float64 NumPy arrays."""
+    fw = _forward(pb, compute_dtype)
+    return _from_frame(fw.out, pb.cu_seqlens_q), _from_frame(fw.lse[..., None], pb.cu_seqlens_q)[..., 0]
+
+
+def backward(pb: Problem, dout: Any, compute_dtype: Any = np.float64):
+    """(dq, dk, dv, dbias) of a validated problem; dbias is None without a bias."""
+    fw = _forward(pb, compute_dtype)
+    dout = _to_frame(pb, interop.to_numpy(dout), pb.cu_seqlens_q, pb.seqlen_q)
+    dq, dk, dv, dbias = _backward(pb, fw, dout, compute_dtype)
+    return (
+        _from_frame(dq, pb.cu_seqlens_q),
+        _from_frame(dk, pb.cu_seqlens_k),
+        _from_frame(dv, pb.cu_seqlens_k),
+        dbias,
+    )
+
+
+def _host_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem:
+    pb = make_host_problem(q, k, v, options)
+    if pb.dropout_p > 0 and pb.seed is None:
+        raise ValueError("seed: expected an int when dropout_p > 0 (the reference needs the bits), received None")
+    return pb
+
+
+def _squeeze(pb: Problem, *arrays: np.ndarray | None):
+    return tuple(a[0] if (pb.squeeze_head and a is not None) else a for a in arrays)
+
+
+def attention_reference(q: Any, k: Any, v: Any, **options: Any):
+    """Dense float64 attention with exactly the semantics of :func:`flashcupy.flash_attention`.
+
+    Takes the same arguments (any array kind) and returns float64 NumPy arrays:
+    ``out`` of shape (..., Hq, Lq, Dv), and ``(out, lse)`` with ``return_lse=True``,
+    lse of shape (..., Hq, Lq). ``seed`` is required when ``dropout_p > 0``.
+    Memory is O(Lq * Lk) per head: this is the oracle, not a fast path.
+    """
+    pb = _host_problem(q, k, v, options)
+    out, lse = _squeeze(pb, *forward(pb))
+    return (out, lse) if pb.return_lse else out
+
+
+def attention_reference_backward(dout: Any, q: Any, k: Any, v: Any, **options: Any):
+    """Dense float64 gradients (dq, dk, dv, dbias) of :func:`attention_reference`.
+
+    dbias has the bias's own shape and is None without a bias. Shapes as the
+    inputs; every result is a float64 NumPy array.
+    """
+    pb = _host_problem(q, k, v, options)
+    dout = interop.to_numpy(dout)
+    dout, _, _ = check_backward_arrays(
+        pb, dout.astype(pb.dtype), np.zeros(dout.shape, pb.dtype), np.zeros(dout.shape[:-1])
+    )
+    return _squeeze(pb, *backward(pb, dout))
