@@ -5,9 +5,10 @@ clarity, not memory: it materialises the full (*batch, Hq, Lq, Lk) score
 matrix. It shares only argument validation (:mod:`flashcupy.problem`) and the
 dropout bits (:mod:`flashcupy.rng`) with the backends; the maths is its own.
 
-``compute_dtype`` rounds every intermediate (scores, probabilities, products)
-to a narrower dtype, which gives the "naive attention in the input dtype" that
-the tolerance rule of design.md section 4 compares against.
+``compute_dtype`` gives the "naive attention in the input dtype" that the
+tolerance rule of design.md section 4 compares against: arithmetic in float32
+(float64 for float64), as PyTorch computes float16 and bfloat16 products, and
+every intermediate (scores, probabilities, products) rounded to the dtype.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ class _Forward:
     lse: np.ndarray  # (*batch, Hq, Lq)
 
 
-def _rounder(compute_dtype: Any):
+def _precision(compute_dtype: Any):
+    """(working dtype, rounding function) for a compute dtype."""
     dt = np.dtype(compute_dtype)
     if dt == np.float64:
-        return lambda x: x
-    return lambda x: x.astype(dt).astype(np.float64)
+        return np.dtype(np.float64), lambda x: x
+    work = np.dtype(np.float32)
+    return work, lambda x: np.asarray(x).astype(dt).astype(work)
 
 
 def _frame_lengths(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
@@ -53,12 +56,12 @@ def _frame_lengths(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ql, dtype=np.int64), np.asarray(kl, dtype=np.int64)
 
 
-def _to_frame(pb: Problem, x: np.ndarray, cu: np.ndarray | None, frame: int) -> np.ndarray:
-    """(H, total, d) packed -> (B, H, frame, d) padded with zeros; padded input as float64."""
-    x = np.asarray(x, dtype=np.float64)
+def _to_frame(x: np.ndarray, cu: np.ndarray | None, frame: int, work: np.dtype) -> np.ndarray:
+    """(H, total, d) packed -> (B, H, frame, d) padded with zeros; padded input as is; in ``work``."""
+    x = np.asarray(x, dtype=work)
     if cu is None:
         return x
-    out = np.zeros((len(cu) - 1, x.shape[0], frame) + x.shape[2:])
+    out = np.zeros((len(cu) - 1, x.shape[0], frame) + x.shape[2:], dtype=work)
     for b in range(len(cu) - 1):
         out[b, :, : cu[b + 1] - cu[b]] = x[:, cu[b] : cu[b + 1]]
     return out
@@ -103,11 +106,11 @@ def _allowed(pb: Problem, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
 
 
 def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
-    rnd = _rounder(compute_dtype)
+    work, rnd = _precision(compute_dtype)
     q_len, kv_len = _frame_lengths(pb)
-    q = _to_frame(pb, pb.q, pb.cu_seqlens_q, pb.seqlen_q)
-    k = _to_frame(pb, pb.k, pb.cu_seqlens_k, pb.seqlen_k)
-    v = _to_frame(pb, pb.v, pb.cu_seqlens_k, pb.seqlen_k)
+    q = _to_frame(pb.q, pb.cu_seqlens_q, pb.seqlen_q, work)
+    k = _to_frame(pb.k, pb.cu_seqlens_k, pb.seqlen_k, work)
+    v = _to_frame(pb.v, pb.cu_seqlens_k, pb.seqlen_k, work)
     # Padding beyond the lengths is never read: zero it so NaN there cannot leak through 0 * NaN.
     q = np.where(np.arange(pb.seqlen_q)[:, None] < q_len[..., None, None, None], q, 0.0)
     kv_valid = np.arange(pb.seqlen_k)[:, None] < kv_len[..., None, None, None]
@@ -120,12 +123,12 @@ def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
         tanh = np.tanh(s / pb.softcap)
         s = rnd(pb.softcap * tanh)
     if pb.bias is not None:
-        s = rnd(s + np.asarray(pb.bias, dtype=np.float64))
+        s = rnd(s + np.asarray(pb.bias, dtype=work))
     if pb.alibi_slopes is not None:
         i = np.arange(pb.seqlen_q)[:, None]
         j = np.arange(pb.seqlen_k)[None, :]
         dist = np.abs(i + (kv_len - q_len)[..., None, None, None] - j)
-        s = rnd(s - pb.alibi_slopes[..., None, None] * dist)
+        s = rnd(s - (pb.alibi_slopes[..., None, None] * dist).astype(work))
     s = np.where(_allowed(pb, q_len, kv_len), s, -np.inf)
 
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -137,7 +140,7 @@ def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
     pd = p
     if pb.dropout_p > 0:
         keep = rng.dropout_mask(s.shape, pb.dropout_p, pb.seed, pb.dropout_offset)
-        zd = keep / (1.0 - pb.dropout_p)
+        zd = (keep / (1.0 - pb.dropout_p)).astype(work)
         pd = rnd(p * zd)
     out = rnd(pd @ v)
     return _Forward(q=q, k=k, v=v, tanh=tanh, p=p, pd=pd, zd=zd, out=out, lse=lse)
@@ -159,7 +162,7 @@ def _group_sum(x: np.ndarray, pb: Problem) -> np.ndarray:
 
 def _backward(pb: Problem, fw: _Forward, dout: np.ndarray, compute_dtype: Any = np.float64):
     """Analytic gradients (dq, dk, dv, dbias) in the padded frame from a dense forward."""
-    rnd = _rounder(compute_dtype)
+    _, rnd = _precision(compute_dtype)
     q_len, _ = _frame_lengths(pb)
     dout = np.where(np.arange(pb.seqlen_q)[:, None] < q_len[..., None, None, None], dout, 0.0)
     dv = rnd(_group_sum(np.swapaxes(fw.pd, -1, -2) @ dout, pb))
@@ -179,19 +182,21 @@ def _backward(pb: Problem, fw: _Forward, dout: np.ndarray, compute_dtype: Any = 
 def forward(pb: Problem, compute_dtype: Any = np.float64) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) of a validated problem in its own layout, float64 NumPy arrays."""
     fw = _forward(pb, compute_dtype)
-    return _from_frame(fw.out, pb.cu_seqlens_q), _from_frame(fw.lse[..., None], pb.cu_seqlens_q)[..., 0]
+    out = _from_frame(fw.out, pb.cu_seqlens_q).astype(np.float64)
+    return out, _from_frame(fw.lse[..., None], pb.cu_seqlens_q)[..., 0].astype(np.float64)
 
 
 def backward(pb: Problem, dout: Any, compute_dtype: Any = np.float64):
     """(dq, dk, dv, dbias) of a validated problem; dbias is None without a bias."""
     fw = _forward(pb, compute_dtype)
-    dout = _to_frame(pb, interop.to_numpy(dout), pb.cu_seqlens_q, pb.seqlen_q)
+    dout = _to_frame(interop.to_numpy(dout), pb.cu_seqlens_q, pb.seqlen_q, _precision(compute_dtype)[0])
     dq, dk, dv, dbias = _backward(pb, fw, dout, compute_dtype)
+    f64 = np.float64
     return (
-        _from_frame(dq, pb.cu_seqlens_q),
-        _from_frame(dk, pb.cu_seqlens_k),
-        _from_frame(dv, pb.cu_seqlens_k),
-        dbias,
+        _from_frame(dq, pb.cu_seqlens_q).astype(f64),
+        _from_frame(dk, pb.cu_seqlens_k).astype(f64),
+        _from_frame(dv, pb.cu_seqlens_k).astype(f64),
+        None if dbias is None else dbias.astype(f64),
     )
 
 
