@@ -38,6 +38,8 @@ MAX_HEAD_DIM = 512
 ARRAY_OPTIONS = (
     "mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths", "block_mask", "cu_seqlens_q", "cu_seqlens_k",
 )
+#: Options that may also be Python lists of ints (converted to int32 when they fit).
+INT32_LIST_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k")
 BACKENDS = ("auto", "cpu", "cuda")
 CAUSAL_MODES = {"bottom_right": "bottom_right", "top_left": "top_left"}
 
@@ -215,15 +217,44 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
+def _as_float(x: Any) -> float:
+    """A real number as a float; integers too large for a float become +-inf."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 def _describe(x: Any) -> str:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"{type(x).__name__} of shape {tuple(x.shape)} and dtype {dtype_name(x.dtype)}"
-    return f"{type(x).__name__} {x!r}"
+    text = repr(x)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(x).__name__} {text}"
 
 
 def _check_array(name: str, x: Any) -> None:
     if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
         raise TypeError(f"{name}: expected an array, received {_describe(x)}")
+    if np.dtype(x.dtype) == object:
+        raise TypeError(f"{name}: expected an array of numbers, received {_describe(x)}")
+
+
+def _host_array(name: str, x: Any) -> np.ndarray:
+    """``x`` as a host NumPy array, or a TypeError naming ``name`` when it is not array-like.
+
+    Arrays of any kind and (nested) lists of numbers convert; other Python
+    objects (None, dicts, strings, ragged lists) are rejected here with their
+    own description, rather than as an object or string array later.
+    """
+    try:
+        arr = interop.to_numpy(x)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name}: expected an array, received {_describe(x)} ({exc})") from exc
+    if not hasattr(x, "dtype") and arr.dtype.kind not in "biufc":
+        raise TypeError(f"{name}: expected an array, received {_describe(x)}")
+    return arr
 
 
 def _check_float_dtype(name: str, x: Any) -> None:
@@ -248,21 +279,27 @@ def _broadcast_view(name: str, x: Any, target: tuple[int, ...], xp: Any) -> Any:
 
 def _host_int_array(name: str, x: Any, target: tuple[int, ...], low: int, high: int) -> np.ndarray:
     """Lengths as host int64 broadcast to ``target``, each in [low, high]."""
-    arr = interop.to_numpy(x)
+    arr = _host_array(name, x)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected integers, received dtype {dtype_name(arr.dtype)}")
-    arr = _broadcast_view(name, arr, target, np).astype(np.int64)
-    if arr.size and (arr.min() < low or arr.max() > high):
+    arr = _broadcast_view(name, arr, target, np)
+    # Compare in the array's own dtype: a cast first would wrap huge unsigned values.
+    if arr.size and (int(arr.min()) < low or int(arr.max()) > high):
         raise ValueError(
             f"{name}: expected values in [{low}, {high}], received values in "
-            f"[{arr.min()}, {arr.max()}]"
+            f"[{int(arr.min())}, {int(arr.max())}]"
         )
-    return arr
+    return arr.astype(np.int64)
 
 
 def _check_cu_seqlens(name: str, x: Any, total: int) -> np.ndarray:
-    arr = interop.to_numpy(x)
-    if isinstance(x, (list, tuple)) and arr.dtype.kind in "iu":
+    arr = _host_array(name, x)
+    if isinstance(x, (list, tuple)) and (arr.dtype.kind in "iu" or arr.size == 0):
+        info = np.iinfo(np.int32)
+        if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+            raise ValueError(
+                f"{name}: expected int32 values, received values in [{int(arr.min())}, {int(arr.max())}]"
+            )
         arr = arr.astype(np.int32)
     if arr.dtype != np.int32:
         raise TypeError(f"{name}: expected an int32 vector, received dtype {dtype_name(arr.dtype)}")
@@ -279,7 +316,9 @@ def _check_cu_seqlens(name: str, x: Any, total: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _check_window(window: Any) -> tuple[int | None, int | None] | None:
+def _check_window(window: Any, limit: int) -> tuple[int | None, int | None] | None:
+    """(left, right) or None. A side larger than ``limit`` (Lq + Lk: unbounded already)
+    is clamped to it, so that the backends' index arithmetic stays in int64."""
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -289,7 +328,7 @@ def _check_window(window: Any) -> tuple[int | None, int | None] | None:
             raise TypeError(f"window: expected {side} to be an int >= 0 or None, received {w!r}")
         if w is not None and w < 0:
             raise ValueError(f"window: expected {side} to be >= 0 or None, received {w}")
-    left, right = (None if w is None else int(w) for w in window)
+    left, right = (None if w is None else min(int(w), limit) for w in window)
     return None if left is None and right is None else (left, right)
 
 
@@ -307,7 +346,10 @@ def check_dropout(dropout_p: Any, seed: Any, offset: Any) -> tuple[float, int | 
     """Validated (dropout_p, seed, offset); the seed may still be None."""
     if not _is_real(dropout_p):
         raise TypeError(f"dropout_p: expected a float in [0, 1), received {dropout_p!r}")
-    rng.dropout_threshold(float(dropout_p))
+    p = _as_float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), received {dropout_p!r}")
+    rng.dropout_threshold(p)
     if seed is not None:
         if not _is_int(seed):
             raise TypeError(f"seed: expected an int in [0, 2**64) or None, received {seed!r}")
@@ -318,7 +360,7 @@ def check_dropout(dropout_p: Any, seed: Any, offset: Any) -> tuple[float, int | 
         raise TypeError(f"dropout_offset: expected an int in [0, 2**32), received {offset!r}")
     if not 0 <= offset < 2**32:
         raise ValueError(f"dropout_offset: expected an int in [0, 2**32), received {offset}")
-    return float(dropout_p), seed, int(offset)
+    return p, seed, int(offset)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -339,7 +381,7 @@ def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) 
     o = {**OPTION_DEFAULTS, **options}
 
     backend = o["backend"]
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, received {backend!r}")
 
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -358,7 +400,10 @@ def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) 
                 raise ValueError(f"{name}: expected an int32 vector with the other cu_seqlens, received None")
         for name in ("q_lengths", "kv_lengths"):
             if o[name] is not None:
-                raise ValueError(f"{name}: expected None for packed sequences (cu_seqlens give the lengths)")
+                raise ValueError(
+                    f"{name}: expected None for packed sequences (cu_seqlens give the lengths), "
+                    f"received {_describe(o[name])}"
+                )
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.ndim != 3:
                 raise ValueError(
@@ -417,19 +462,21 @@ def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) 
     scale = o["scale"]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    elif not _is_real(scale) or not math.isfinite(scale):
+    elif not _is_real(scale):
         raise TypeError(f"scale: expected a finite real number or None, received {scale!r}")
+    elif not math.isfinite(_as_float(scale)):
+        raise ValueError(f"scale: expected a finite real number or None, received {scale!r}")
 
     softcap = o["softcap"]
     if softcap is not None:
         if not _is_real(softcap):
             raise TypeError(f"softcap: expected a positive float or None, received {softcap!r}")
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap: expected a positive finite float or None, received {softcap}")
-        softcap = float(softcap)
+        if not (math.isfinite(_as_float(softcap)) and softcap > 0):
+            raise ValueError(f"softcap: expected a positive finite float or None, received {softcap!r}")
+        softcap = _as_float(softcap)
 
     causal = _check_causal(o["causal"])
-    window = _check_window(o["window"])
+    window = _check_window(o["window"], frame_q + frame_k)
     scores_shape = batch + (hq, frame_q, frame_k)
 
     mask = o["mask"]
@@ -452,10 +499,14 @@ def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) 
 
     slopes = o["alibi_slopes"]
     if slopes is not None:
-        host = interop.to_numpy(slopes)
+        host = _host_array("alibi_slopes", slopes)
         if host.dtype.kind not in "iuf" and host.dtype != ml_dtypes.bfloat16:
             raise TypeError(f"alibi_slopes: expected real numbers, received dtype {dtype_name(host.dtype)}")
         slopes = np.array(_broadcast_view("alibi_slopes", host, batch + (hq,), np), dtype=np.float64)
+        if not np.isfinite(slopes).all():
+            raise ValueError(
+                f"alibi_slopes: expected finite values, received {slopes[~np.isfinite(slopes)][0]}"
+            )
 
     q_lengths = kv_lengths = None
     if o["q_lengths"] is not None:
@@ -477,7 +528,9 @@ def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) 
             raise TypeError(f"block_size: expected a positive int, received {block_size!r}")
         if block_size < 1:
             raise ValueError(f"block_size: expected a positive int, received {block_size}")
-        block_size = int(block_size)
+        # A block at least as long as both frames is one block either way; clamping keeps
+        # the backends' index arithmetic in int64.
+        block_size = min(int(block_size), max(frame_q, frame_k, 1))
         blocks = batch + (hq, -(-frame_q // block_size), -(-frame_k // block_size))
         block_mask = _broadcast_view("block_mask", block_mask, blocks, xp)
 
@@ -502,8 +555,13 @@ def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) 
 
 def make_host_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem:
     """:func:`make_problem` on host NumPy copies (or views) of every array argument."""
-    host = {n: interop.to_numpy(options[n]) for n in ARRAY_OPTIONS if options.get(n) is not None}
-    return make_problem(interop.to_numpy(q), interop.to_numpy(k), interop.to_numpy(v), {**options, **host})
+    host = {
+        n: _host_array(n, options[n])
+        for n in ARRAY_OPTIONS
+        if options.get(n) is not None
+        and not (n in INT32_LIST_OPTIONS and isinstance(options[n], (list, tuple)))
+    }
+    return make_problem(_host_array("q", q), _host_array("k", k), _host_array("v", v), {**options, **host})
 
 
 def check_backward_arrays(problem: Problem, dout: Any, out: Any, lse: Any) -> tuple[Any, Any, Any]:
@@ -536,3 +594,12 @@ def check_backward_arrays(problem: Problem, dout: Any, out: Any, lse: Any) -> tu
     if problem.squeeze_head:
         dout, out, lse = dout[None], out[None], lse[None]
     return dout, out, lse
+
+
+def check_host_backward_arrays(problem: Problem, dout: Any, out: Any, lse: Any) -> tuple[Any, Any, Any]:
+    """:func:`check_backward_arrays` on host NumPy copies (or views) of ``dout``, ``out``, ``lse``.
+
+    Anything that is not array-like (None, a dict, a ragged list) is a TypeError
+    naming the argument, not an error from inside NumPy's conversion.
+    """
+    return check_backward_arrays(problem, _host_array("dout", dout), _host_array("out", out), _host_array("lse", lse))
