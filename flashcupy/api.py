@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import cpu, interop, rng
-from .problem import BACKENDS, OPTION_DEFAULTS, Problem, check_backward_arrays, make_host_problem
+from .problem import (
+    BACKENDS, OPTION_DEFAULTS, Problem, check_dropout, check_host_backward_arrays, make_host_problem,
+)
 
 def _backend(name: Any) -> str:
     """The backend that will run: 'cpu' or 'cuda'."""
-    if name not in BACKENDS:
+    if not isinstance(name, str) or name not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, received {name!r}")
     if name == "cuda":
         raise RuntimeError(
@@ -42,9 +44,17 @@ def _forward(pb: Problem, restore: Callable):
     return restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))
 
 
-def _with_seed(options: dict[str, Any]) -> dict[str, Any]:
-    """Options with a fresh seed drawn when dropout is on and no seed was given."""
-    if options.get("seed") is None and options.get("dropout_p", 0.0) not in (0, 0.0):
+def _with_seed(options: dict[str, Any], required: bool = False) -> dict[str, Any]:
+    """Options with a fresh seed drawn when dropout is on and no seed was given.
+
+    With ``required``, a missing seed under dropout is an error instead.
+    """
+    p, seed, _ = check_dropout(
+        options.get("dropout_p", 0.0), options.get("seed"), options.get("dropout_offset", 0)
+    )
+    if p > 0 and seed is None:
+        if required:
+            raise ValueError("seed: expected an int when dropout_p > 0 (the backward needs it), received None")
         return {**options, "seed": rng.new_seed()}
     return options
 
@@ -122,9 +132,7 @@ def flash_attention_forward(q: Any, k: Any, v: Any, **options: Any):
     Takes the keyword options of ``flash_attention``; ``seed`` is required when
     ``dropout_p > 0`` so that the backward can regenerate the mask.
     """
-    if options.get("dropout_p", 0.0) not in (0, 0.0) and options.get("seed") is None:
-        raise ValueError("seed: expected an int when dropout_p > 0 (the backward needs it), received None")
-    pb, restore = _prepare(q, k, v, options)
+    pb, restore = _prepare(q, k, v, _with_seed(options, required=True))
     return _forward(pb, restore)
 
 
@@ -159,9 +167,7 @@ def flash_attention_backward(
     if bias_grad and options.get("bias") is None:
         raise ValueError("bias_grad: expected a bias to differentiate, received bias=None")
     pb, restore = _prepare(q, k, v, options)
-    dout, out, lse = check_backward_arrays(
-        pb, interop.to_numpy(dout), interop.to_numpy(out), interop.to_numpy(lse)
-    )
+    dout, out, lse = check_host_backward_arrays(pb, dout, out, lse)
     dq, dk, dv, dbias = cpu.backward(pb, dout, out, lse, bias_grad)
     grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
     return grads + (restore(dbias),) if bias_grad else grads
@@ -180,7 +186,7 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
 
     def vjp(dout: Any):
         """(dq, dk, dv[, dbias]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
-        d_out, _, _ = check_backward_arrays(pb, interop.to_numpy(dout), _squeeze(pb, out), _squeeze(pb, lse))
+        d_out, _, _ = check_host_backward_arrays(pb, dout, _squeeze(pb, out), _squeeze(pb, lse))
         dq, dk, dv, dbias = cpu.backward(pb, d_out, out, lse, pb.bias is not None)
         grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
         return grads + (restore(dbias),) if pb.bias is not None else grads

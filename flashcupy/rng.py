@@ -173,7 +173,10 @@ def dropout_threshold(p: float) -> int:
         raise TypeError(
             f"dropout_p must be a float in [0, 1), received {type(p).__name__}"
         )
-    p = float(p)
+    try:
+        p = float(p)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError(f"dropout_p must be in [0, 1), received an int of {len(str(p))} digits") from None
     if not (0.0 <= p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), received {p!r}")
     return min(round(p * _U32_LIMIT), _U32_LIMIT - 1)
