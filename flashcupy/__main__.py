@@ -9,7 +9,6 @@ Commands:
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -20,7 +19,7 @@ import numpy as np
 
 import flashcupy
 from flashcupy import api, interop, reference
-from flashcupy.problem import accumulator_dtype, make_host_problem
+from flashcupy.problem import make_host_problem
 
 DTYPES = {
     "float16": np.dtype(np.float16),
@@ -63,24 +62,9 @@ def _synchronizer(on_gpu: bool) -> Callable[[], None]:
 
 
 def tolerance(q: np.ndarray, k: np.ndarray, v: np.ndarray, ref: np.ndarray, options: dict[str, Any]) -> float:
-    """The bound of design.md section 4: 2 * max|naive - ref| + a rounding floor.
-
-    ``naive`` is plain dense attention with every intermediate rounded to the input
-    dtype (``reference.forward`` with ``compute_dtype``). The floor covers the
-    rounding of the accumulation itself, which is all that is left for float64,
-    whose naive computation is the reference: a length-D dot product moves a score
-    by about sqrt(D) units of roundoff, and a score error moves an output by up to
-    that error times max|v| (each output row is a convex combination of rows of v).
-    So floor = eps(accumulator dtype) * max|v| * (2 + sqrt(D)).
-    """
-    dtype = np.dtype(q.dtype)
-    pb = make_host_problem(q, k, v, options)
-    naive, _ = reference.forward(pb, compute_dtype=dtype)
-    naive_err = float(np.max(np.abs(naive - ref), initial=0.0))
-    eps = float(np.finfo(accumulator_dtype(dtype)).eps)
-    max_v = float(np.max(np.abs(v.astype(np.float64)), initial=0.0))
-    floor = eps * max_v * (2.0 + math.sqrt(q.shape[-1]))
-    return 2.0 * naive_err + floor
+    """The bound of design.md section 4 (:func:`flashcupy.reference.tolerance`) for this call."""
+    naive, _ = reference.forward(make_host_problem(q, k, v, options), compute_dtype=q.dtype)
+    return reference.tolerance(ref, naive, q.dtype)
 
 
 # --------------------------------------------------------------------------- demo

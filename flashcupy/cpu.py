@@ -15,7 +15,7 @@ float64 inputs.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 

@@ -8,7 +8,7 @@ from unittest import mock
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import flashcupy as fc
