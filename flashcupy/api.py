@@ -12,26 +12,37 @@ from typing import Any, Callable
 
 from . import cpu, interop, rng
 from .problem import (
-    BACKENDS, OPTION_DEFAULTS, Problem, check_dropout, check_host_backward_arrays, make_host_problem,
+    BACKENDS, OPTION_DEFAULTS, Problem, check_dropout, check_host_backward_arrays, make_device_problem,
+    make_host_problem,
 )
 
-def _backend(name: Any) -> str:
-    """The backend that will run: 'cpu' or 'cuda'."""
+def _backend(name: Any, q: Any = None) -> str:
+    """The backend that will run: 'cpu' or 'cuda'.
+
+    'auto' picks CUDA for GPU arrays, and for host arrays when a GPU is usable.
+    """
     if not isinstance(name, str) or name not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, received {name!r}")
-    if name == "cuda":
+    if name == "cpu":
+        return "cpu"
+    if name == "cuda" and not interop.gpu_usable():
         raise RuntimeError(
-            "backend='cuda': this version of flashcupy has no CUDA kernels yet (they are in "
-            "development); use backend='cpu' or 'auto'"
+            "backend='cuda': no usable CUDA GPU (CuPy must be installed, e.g. pip install "
+            "'flashcupy[cuda12]', and see a device); use backend='cpu' or 'auto'"
         )
+    if name == "cuda" or interop.is_gpu_array(q) or interop.gpu_usable():
+        return "cuda"
     return "cpu"
 
 
-def _prepare(q: Any, k: Any, v: Any, options: dict[str, Any]) -> tuple[Problem, Callable]:
-    """Validate a call once; returns the problem on host arrays and the converter back."""
-    _backend(options.get("backend", OPTION_DEFAULTS["backend"]))
+def _prepare(q: Any, k: Any, v: Any, options: dict[str, Any], backend: str | None = None):
+    """Validate a call once; returns the problem (host or device arrays), the converter
+    back to the caller's kind, and the backend that runs it."""
+    backend = backend or _backend(options.get("backend", OPTION_DEFAULTS["backend"]), q)
     restore = interop.restorer(q)
-    return make_host_problem(q, k, v, options), restore
+    if backend == "cpu":
+        return make_host_problem(q, k, v, options), restore, backend
+    return make_device_problem(q, k, v, options), restore, backend
 
 
 def _squeeze(pb: Problem, x):
@@ -39,9 +50,29 @@ def _squeeze(pb: Problem, x):
     return x[0] if pb.squeeze_head else x
 
 
-def _forward(pb: Problem, restore: Callable):
-    out, lse = cpu.forward(pb)
+def _run_forward(pb: Problem, backend: str):
+    """(out, lse) in the problem's internal layout, from the backend that holds its arrays."""
+    if backend == "cuda":
+        from . import cuda
+
+        return cuda.forward(pb)
+    return cpu.forward(pb)
+
+
+def _forward(pb: Problem, restore: Callable, backend: str):
+    out, lse = _run_forward(pb, backend)
     return restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))
+
+
+def _backward_backend(options: dict[str, Any], q: Any) -> str:
+    """The backward runs on the CPU until the CUDA backward kernels exist."""
+    name = options.get("backend", OPTION_DEFAULTS["backend"])
+    if _backend(name, q) == "cuda" and name == "cuda":
+        raise RuntimeError(
+            "backend='cuda': the CUDA backward kernels are not built yet; use backend='auto' "
+            "(the forward runs on the GPU, the backward on the CPU) or backend='cpu'"
+        )
+    return "cpu"
 
 
 def _with_seed(options: dict[str, Any], required: bool = False) -> dict[str, Any]:
@@ -121,8 +152,8 @@ def flash_attention(
         never NaN.
     """
     options = {name: value for name, value in locals().items() if name not in ("q", "k", "v")}
-    pb, restore = _prepare(q, k, v, _with_seed(options))
-    out, lse = _forward(pb, restore)
+    pb, restore, backend = _prepare(q, k, v, _with_seed(options))
+    out, lse = _forward(pb, restore, backend)
     return (out, lse) if pb.return_lse else out
 
 
@@ -132,8 +163,8 @@ def flash_attention_forward(q: Any, k: Any, v: Any, **options: Any):
     Takes the keyword options of ``flash_attention``; ``seed`` is required when
     ``dropout_p > 0`` so that the backward can regenerate the mask.
     """
-    pb, restore = _prepare(q, k, v, _with_seed(options, required=True))
-    return _forward(pb, restore)
+    pb, restore, backend = _prepare(q, k, v, _with_seed(options, required=True))
+    return _forward(pb, restore, backend)
 
 
 def flash_attention_backward(
@@ -166,7 +197,7 @@ def flash_attention_backward(
             raise TypeError(f"{name}: expected a bool, received {flag!r}")
     if bias_grad and options.get("bias") is None:
         raise ValueError("bias_grad: expected a bias to differentiate, received bias=None")
-    pb, restore = _prepare(q, k, v, options)
+    pb, restore, _ = _prepare(q, k, v, options, _backward_backend(options, q))
     dout, out, lse = check_host_backward_arrays(pb, dout, out, lse)
     dq, dk, dv, dbias = cpu.backward(pb, dout, out, lse, bias_grad)
     grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
@@ -181,13 +212,15 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
     ``return_lse=True`` makes the first result ``(out, lse)``.
     """
     options = _with_seed(options)
-    pb, restore = _prepare(q, k, v, options)
-    out, lse = cpu.forward(pb)
+    pb, restore, backend = _prepare(q, k, v, options)
+    out, lse = _run_forward(pb, backend)
 
     def vjp(dout: Any):
         """(dq, dk, dv[, dbias]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
-        d_out, _, _ = check_host_backward_arrays(pb, dout, _squeeze(pb, out), _squeeze(pb, lse))
-        dq, dk, dv, dbias = cpu.backward(pb, d_out, out, lse, pb.bias is not None)
+        host_pb, _, _ = (pb, None, None) if backend == "cpu" else _prepare(q, k, v, options, _backward_backend(options, q))
+        host_out, host_lse = interop.to_numpy(out), interop.to_numpy(lse)
+        d_out, _, _ = check_host_backward_arrays(host_pb, dout, _squeeze(pb, host_out), _squeeze(pb, host_lse))
+        dq, dk, dv, dbias = cpu.backward(host_pb, d_out, host_out, host_lse, pb.bias is not None)
         grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
         return grads + (restore(dbias),) if pb.bias is not None else grads
 

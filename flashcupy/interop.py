@@ -57,6 +57,26 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def is_gpu_array(x: Any) -> bool:
+    """True for CuPy arrays and any array whose data lives on a CUDA device."""
+    if _is_cupy(x) or hasattr(x, "__cuda_array_interface__"):
+        return True
+    return hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__") and not _on_cpu_dlpack(x)
+
+
+def to_device(x: Any):
+    """A CuPy array with ``x``'s data: zero copy for CuPy, CUDA-interface and GPU DLPack arrays,
+    a host-to-device copy for host arrays (on CuPy's current device)."""
+    cupy = _cupy()
+    if _is_cupy(x):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__") and not _on_cpu_dlpack(x):
+        return cupy.from_dlpack(x)
+    return cupy.asarray(to_numpy(x))
+
+
 def _namespace(x: Any):
     """The module whose ``from_dlpack`` builds arrays of ``x``'s kind."""
     if hasattr(x, "__array_namespace__"):
@@ -64,16 +84,16 @@ def _namespace(x: Any):
     return sys.modules[type(x).__module__.split(".")[0]]
 
 
-def restorer(x: Any) -> Callable[[np.ndarray], Any]:
-    """A function turning a NumPy result back into ``x``'s array kind."""
+def restorer(x: Any) -> Callable[[Any], Any]:
+    """A function turning a NumPy or CuPy result back into ``x``'s array kind (and place)."""
     if isinstance(x, np.ndarray) or not (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
-        return lambda a: a
+        return to_numpy
     if _is_cupy(x):
         cupy = _cupy()
         return lambda a: cupy.asarray(a)
     ns = _namespace(x)
     if _on_cpu_dlpack(x):
-        return lambda a: ns.from_dlpack(a)
+        return lambda a: ns.from_dlpack(to_numpy(a))
     cupy = _cupy()
     return lambda a: ns.from_dlpack(cupy.asarray(a))
 

@@ -564,6 +564,44 @@ def make_host_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Proble
     return make_problem(_host_array("q", q), _host_array("k", k), _host_array("v", v), {**options, **host})
 
 
+#: Array options the kernels read on the device; the others are small and stay on the host.
+DEVICE_ARRAY_OPTIONS = ("mask", "bias", "block_mask")
+
+
+def _device_array(name: str, x: Any, device: int):
+    """``x`` as a CuPy array on ``device``: zero copy for GPU arrays, else a host-to-device copy."""
+    import cupy
+
+    if interop.is_gpu_array(x):
+        arr = interop.to_device(x)
+        if arr.device.id != device:
+            raise ValueError(f"{name}: expected an array on CUDA device {device} like q, received one on device {arr.device.id}")
+        return arr
+    host = _host_array(name, x)
+    with cupy.cuda.Device(device):
+        return cupy.asarray(host)
+
+
+def make_device_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem:
+    """:func:`make_problem` on CuPy arrays on q's device (CuPy's current device for host q).
+
+    q, k, v, mask, bias and block_mask move to the device (zero copy when already
+    there); lengths, slopes and cu_seqlens are validated on the host.
+    """
+    import cupy
+
+    device = interop.to_device(q).device.id if interop.is_gpu_array(q) else cupy.cuda.Device().id
+    arrays = {name: _device_array(name, x, device) for name, x in (("q", q), ("k", k), ("v", v))}
+    device_options = {n: _device_array(n, options[n], device) for n in DEVICE_ARRAY_OPTIONS if options.get(n) is not None}
+    host = {
+        n: _host_array(n, options[n])
+        for n in ARRAY_OPTIONS
+        if n not in DEVICE_ARRAY_OPTIONS and options.get(n) is not None
+        and not (n in INT32_LIST_OPTIONS and isinstance(options[n], (list, tuple)))
+    }
+    return make_problem(arrays["q"], arrays["k"], arrays["v"], {**options, **host, **device_options}, xp=cupy)
+
+
 def check_backward_arrays(problem: Problem, dout: Any, out: Any, lse: Any) -> tuple[Any, Any, Any]:
     """Validate the forward's outputs and the incoming gradient for ``problem``.
 

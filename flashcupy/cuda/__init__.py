@@ -1,0 +1,130 @@
+"""The CUDA backend: kernel choice, NVRTC compilation and launches on CuPy arrays.
+
+Nothing here knows about NumPy callers or other array kinds: :mod:`flashcupy.api`
+hands over a :class:`~flashcupy.problem.Problem` whose arrays are CuPy arrays on
+one device, and gets CuPy arrays back. Kernels run on that device and on CuPy's
+current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from .. import rng
+from ..problem import Problem, accumulator_dtype
+from . import params as P
+from .compile import forward_function
+from .spec import select_forward
+
+#: Fill outputs with NaN before each launch (tests set it) so unwritten elements show.
+poison_outputs = False
+
+
+@functools.lru_cache(maxsize=None)
+def device_limits(device_id: int) -> tuple[int, int]:
+    """(compute capability as an int like 90, opt-in shared memory per block in bytes)."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    return 10 * props["major"] + props["minor"], int(props["sharedMemPerBlockOptin"])
+
+
+def _elem_strides(x) -> tuple[int, ...]:
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def _merge_batch(x, batch: tuple[int, ...], xp):
+    """(*batch, ...) -> (B, ...): a view where strides allow, else a copy."""
+    return xp.reshape(x, (math.prod(batch),) + tuple(x.shape[len(batch):]))
+
+
+def _last_axis_contiguous(x, xp):
+    return x if x.shape[-1] <= 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
+
+
+def _aligned(*arrays) -> bool:
+    """16-byte aligned base pointers, strides and row lengths: tiles may use 16-byte copies."""
+    for x in arrays:
+        if x.data.ptr % 16 or (x.shape[-1] * x.itemsize) % 16:
+            return False
+        if any(s % 16 for n, s in zip(x.shape[:-1], x.strides[:-1]) if n > 1):
+            return False
+    return True
+
+
+def _empty(shape, dtype, xp):
+    return xp.full(shape, np.nan, dtype=dtype) if poison_outputs else xp.empty(shape, dtype=dtype)
+
+
+def forward(pb: Problem) -> tuple[Any, Any]:
+    """(out, lse) of a problem on CuPy arrays, in the problem's internal layout."""
+    import cupy as xp
+
+    device_id = pb.q.device.id
+    with xp.cuda.Device(device_id):
+        arch, smem_limit = device_limits(device_id)
+        spec = select_forward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32)
+        q, k, v = (_last_axis_contiguous(x, xp) for x in (pb.q, pb.k, pb.v))
+        out = _empty(pb.out_shape, pb.dtype, xp)
+        lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
+        fields: dict[str, Any] = {}
+        keep_alive = []  # device copies the launch reads; CuPy reuses freed memory only for later work
+        if pb.varlen:
+            for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
+                fields[f"{name}_sh"], fields[f"{name}_sr"] = _elem_strides(x)[:2]
+            fields["lse_sh"] = _elem_strides(lse)[0]
+            for name in ("cu_seqlens_q", "cu_seqlens_k"):
+                keep_alive.append(xp.asarray(getattr(pb, name), dtype=xp.int32))
+                fields[name] = keep_alive[-1].data.ptr
+        else:
+            q, k, v = (_merge_batch(x, pb.batch, xp) for x in (q, k, v))
+            for name, x in (("q", q), ("k", k), ("v", v), ("o", _merge_batch(out, pb.batch, xp))):
+                fields[f"{name}_sb"], fields[f"{name}_sh"], fields[f"{name}_sr"] = _elem_strides(x)[:3]
+            fields["lse_sb"], fields["lse_sh"] = _elem_strides(_merge_batch(lse, pb.batch, xp))[:2]
+            for name, lengths in (("seqlens_q", pb.q_lengths), ("seqlens_k", pb.kv_lengths)):
+                if lengths is not None:
+                    keep_alive.append(xp.asarray(np.ascontiguousarray(lengths, dtype=np.int32).reshape(-1)))
+                    fields[name] = keep_alive[-1].data.ptr
+        batch = math.prod(pb.batch)
+
+        for name, short in (("mask", "mask"), ("bias", "bias"), ("block_mask", "bm")):
+            x = getattr(pb, name)
+            if x is not None:
+                x = _merge_batch(x, pb.batch, xp)
+                keep_alive.append(x)
+                fields[name] = x.data.ptr
+                for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(x)):
+                    fields[f"{short}_{suffix}"] = s
+        if pb.bias is not None:
+            fields["bias_dtype"] = P.DTYPE_CODE[pb.bias.dtype.name]
+        if pb.alibi_slopes is not None:
+            slopes = xp.asarray(np.ascontiguousarray(pb.alibi_slopes.reshape(batch, pb.num_heads_q)))
+            keep_alive.append(slopes)
+            fields.update(alibi=slopes.data.ptr, alibi_sb=pb.num_heads_q, alibi_sh=1)
+        left, right = pb.window if pb.window is not None else (None, None)
+
+        params = P.pack(
+            q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+            batch=batch, hq=pb.num_heads_q, hk=pb.num_heads_k, lq=pb.seqlen_q, lk=pb.seqlen_k,
+            d=pb.head_dim, dv=pb.head_dim_v, causal=P.CAUSAL_CODE[pb.causal],
+            window_left=-1 if left is None else min(left, 2**31 - 1),
+            window_right=-1 if right is None else min(right, 2**31 - 1),
+            block_size=pb.block_size or 1, seed=pb.seed or 0, scale=pb.scale,
+            softcap=pb.softcap or 0.0, has_softcap=int(pb.softcap is not None),
+            dropout_threshold=rng.dropout_threshold(pb.dropout_p) if pb.dropout_p > 0 else 0,
+            dropout_offset=pb.dropout_offset, dropout_scale=1.0 / (1.0 - pb.dropout_p),
+            aligned=int(_aligned(q, k, v)), **fields,
+        )
+        bh = batch * pb.num_heads_q
+        m_blocks = -(-pb.seqlen_q // spec.block_m)
+        chunks = -(-pb.head_dim_v // spec.dv_tile)
+        if bh and m_blocks:
+            grid_y = min(bh, 65535)
+            grid = (m_blocks * chunks, grid_y, -(-bh // grid_y))
+            forward_function(spec, device_id)(grid, (spec.threads,), (params,), shared_mem=spec.smem_bytes)
+        del keep_alive  # safe: memory CuPy frees now is reused only by work queued after this launch
+    return out, lse

@@ -1,0 +1,135 @@
+"""Kernel choice and tile sizes for the CUDA backend: the only place they are decided.
+
+A :class:`KernelSpec` names one template instantiation of ``flash::flash_fwd``
+(``kernels_cu/flash_fwd.cu``). :func:`select_forward` picks it from the dtype,
+the head dims, the GPU's compute capability and its shared-memory limit;
+:func:`all_forward_specs` lists every spec it can return for an architecture,
+which CI compiles.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Padded head-dim buckets: the kernels' HD template argument.
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 256, 512)
+
+#: C++ element type per dtype name.
+CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+
+#: Per policy: the C++ policy for an element type, the widest Dv chunk one block keeps
+#: in registers, and (BLOCK_N, NUM_WARPS) candidates in order of preference, the first
+#: that fits the GPU's shared memory wins.
+POLICIES = {
+    "mma16": (lambda t: f"flash::MmaF16<{t}>", 128, ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1))),
+    "tf32": (lambda t: "flash::MmaTf32", 128, ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+    "dmma": (lambda t: "flash::MmaF64", 64, ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+    "simt": (lambda t: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 64,
+             ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+}
+
+#: Environment variable forcing the portable (SIMT) kernels, as on GPUs before sm_80.
+FORCE_PORTABLE_ENV = "FLASHCUPY_FORCE_PORTABLE"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One forward kernel instantiation and its launch shape."""
+
+    dtype: str       # 'float16', 'bfloat16', 'float32' or 'float64'
+    policy: str      # key of POLICIES
+    head_dim: int    # HD: padded QK head dim
+    dv_tile: int     # DV: output columns per block
+    block_n: int     # keys per tile
+    num_warps: int   # warps per block; BLOCK_M = 16 * num_warps
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.num_warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype if self.dtype != "bfloat16" else "float16").itemsize
+
+    @property
+    def name_expression(self) -> str:
+        t = CXX_TYPE[self.dtype]
+        policy = POLICIES[self.policy][0](t)
+        return f"flash::flash_fwd<{t}, {policy}, {self.head_dim}, {self.dv_tile}, {self.block_n}, {self.num_warps}>"
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: Q (BLOCK_M, HD), K (BLOCK_N, HD), V (BLOCK_N, DV), rows padded by 16 bytes."""
+        pad = 16 // self.itemsize
+        elems = (self.block_m + self.block_n) * (self.head_dim + pad) + self.block_n * (self.dv_tile + pad)
+        return elems * self.itemsize
+
+
+def head_dim_bucket(dim: int) -> int:
+    """The smallest bucket >= dim."""
+    for bucket in HEAD_DIM_BUCKETS:
+        if dim <= bucket:
+            return bucket
+    raise ValueError(f"head dim {dim} exceeds the largest kernel bucket {HEAD_DIM_BUCKETS[-1]}")
+
+
+def policy_for(dtype: str, arch: int, allow_tf32: bool, portable: bool) -> str:
+    """Which warp product: tensor cores on sm_80+ (TF32 only when allowed), else SIMT."""
+    if portable or arch < 80:
+        return "simt"
+    return {"float16": "mma16", "bfloat16": "mma16", "float64": "dmma"}.get(
+        dtype, "tf32" if allow_tf32 else "simt"
+    )
+
+
+def force_portable() -> bool:
+    """True when FLASHCUPY_FORCE_PORTABLE is set to 1 (tests use it to run the sm_60-75 path)."""
+    return os.environ.get(FORCE_PORTABLE_ENV, "0") == "1"
+
+
+def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
+                   portable: bool | None = None) -> KernelSpec:
+    """The forward kernel for this problem on a GPU of compute capability ``arch`` (e.g. 90).
+
+    ``smem_limit`` is the device's opt-in shared memory per block in bytes. Raises
+    RuntimeError when no tile shape fits (float64 with D > 256 on 99 KB GPUs).
+    """
+    portable = force_portable() if portable is None else portable
+    policy = policy_for(dtype, arch, allow_tf32, portable)
+    _, dv_cap, candidates = POLICIES[policy]
+    hd = head_dim_bucket(max(d, dv))
+    dv_tile = min(hd, dv_cap)
+    for block_n, warps in candidates:
+        spec = KernelSpec(dtype, policy, hd, dv_tile, block_n, warps)
+        if spec.smem_bytes <= smem_limit:
+            return spec
+    raise RuntimeError(
+        f"no {dtype} kernel for head dims ({d}, {dv}) fits this GPU's {smem_limit // 1024} KiB of shared "
+        f"memory per block (it needs {spec.smem_bytes // 1024} KiB); use backend='cpu'"
+    )
+
+
+#: Opt-in shared memory per block (bytes) of each architecture CI compiles for.
+ARCH_SMEM = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+def all_forward_specs(arch: int) -> list[KernelSpec]:
+    """Every spec :func:`select_forward` can return on ``arch``, for ahead-of-time compile checks."""
+    specs = set()
+    for dtype in CXX_TYPE:
+        for bucket in HEAD_DIM_BUCKETS:
+            for dv in {bucket, 1}:
+                for allow_tf32 in (False, True):
+                    for portable in (False, True):
+                        try:
+                            specs.add(select_forward(dtype, bucket, dv, arch, ARCH_SMEM[arch], allow_tf32, portable))
+                        except RuntimeError:
+                            pass
+    return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_n, s.num_warps))

@@ -1,0 +1,62 @@
+// Global -> shared tile copies for the attention kernels.
+//
+// A tile is ROWS rows of COLS elements (COLS = the kernel's padded head dim) stored
+// with a row pitch of LD elements. Rows >= valid_rows and columns >= valid_cols are
+// zero-filled, so padded head dims and partial tiles contribute exact zeros to every
+// product. With 16-byte aligned rows (the host checks pointers, strides and the head
+// dim) chunks go through cp.async (sm_80+, asynchronous, zero-fill by src-size 0) or
+// 16-byte loads; otherwise element by element.
+#pragma once
+
+#include "flash_params.cuh"
+
+
+namespace flash {
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
+    const int bytes = valid ? 16 : 0;  // src-size 0: nothing is read, 16 zero bytes are written
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+#else
+    *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// Copy rows [0, ROWS) of a (rows, cols) global matrix with row stride `stride` (elements)
+// into shared memory, zero-filling outside (valid_rows, valid_cols). All threads call it.
+template <typename T, int ROWS, int COLS, int LD, int THREADS>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols,
+                                          bool aligned) {
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int CHUNKS = COLS / VEC;
+    static_assert(COLS % VEC == 0, "tile width is a whole number of 16-byte chunks");
+    if (aligned) {  // valid_cols is a multiple of VEC: every chunk is all valid or all padding
+#pragma unroll 4
+        for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+            const int r = c / CHUNKS, col = (c % CHUNKS) * VEC;
+            const bool valid = r < valid_rows && col < valid_cols;
+            cp_async_16(smem + r * LD + col, valid ? gmem + r * stride + col : gmem, valid);
+        }
+    } else {
+        for (int e = threadIdx.x; e < ROWS * COLS; e += THREADS) {
+            const int r = e / COLS, col = e % COLS;
+            smem[r * LD + col] = (r < valid_rows && col < valid_cols) ? gmem[r * stride + col] : T(0.0f);
+        }
+    }
+}
+
+}  // namespace flash

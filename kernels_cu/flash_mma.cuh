@@ -1,0 +1,265 @@
+// Warp-level products for the attention kernels, one policy per number format.
+//
+// Every policy computes a warp's 16 query rows against a tile of keys and leaves the
+// result in the same register layout, the accumulator layout of mma.sync m16n8:
+// lane = 4 g + t holds, for each 8-column tile n,
+//     acc[n][0] = (row g,     col 8n + 2t)     acc[n][1] = (row g,     col 8n + 2t + 1)
+//     acc[n][2] = (row g + 8, col 8n + 2t)     acc[n][3] = (row g + 8, col 8n + 2t + 1)
+// so masking, the online softmax and the epilogue are written once for all of them.
+//
+//   qk: S (16, BN) += Q_w (16, HD) K^T,  Q_w and K (BN, HD) row-major in shared memory
+//   pv: O (16, DV) += P (16, BN) V,      P in registers in the layout above, V (BN, DV) in shared memory
+//
+// MmaF16   float16/bfloat16 on tensor cores: mma.sync m16n8k16 fed by ldmatrix (sm_80+)
+// MmaTf32  float32 on TF32 tensor cores: mma.sync m16n8k8 (sm_80+, allow_tf32)
+// MmaF64   float64 on FP64 tensor cores: mma.sync m8n8k4, two per 16 rows (sm_80+)
+// Simt     any dtype with FMA in the accumulator type (every architecture)
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "flash_score.cuh"
+
+namespace flash {
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// The value of (row g [+8], col c) of P held by another lane of the quad, as the
+// layout above stores it: column c of tile n lives in lane 4 g + (c % 8) / 2.
+template <typename Acc>
+__device__ __forceinline__ Acc quad_fetch(const Acc (&tile)[4], int upper, int col_in_tile) {
+    const int lane = threadIdx.x & 31;
+    const int src = (lane & ~3) | ((col_in_tile & 7) >> 1);
+    const Acc even = __shfl_sync(0xffffffffu, tile[2 * upper], src);
+    const Acc odd = __shfl_sync(0xffffffffu, tile[2 * upper + 1], src);
+    return (col_in_tile & 1) ? odd : even;
+}
+
+// ------------------------------------------------------------------ SIMT (portable)
+template <typename T, typename AccT>
+struct Simt {
+    using Acc = AccT;
+
+    template <int HD, int BN, int LDQ, int LDK>
+    static __device__ __forceinline__ void qk(const T* sQw, const T* sK, Acc (&s)[BN / 8][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 4
+        for (int k = 0; k < HD; ++k) {
+            const Acc q0 = static_cast<Acc>(to_float_or_self(sQw[g * LDQ + k]));
+            const Acc q1 = static_cast<Acc>(to_float_or_self(sQw[(g + 8) * LDQ + k]));
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+                const Acc k0 = static_cast<Acc>(to_float_or_self(sK[(8 * n + 2 * t) * LDK + k]));
+                const Acc k1 = static_cast<Acc>(to_float_or_self(sK[(8 * n + 2 * t + 1) * LDK + k]));
+                s[n][0] += q0 * k0;
+                s[n][1] += q0 * k1;
+                s[n][2] += q1 * k0;
+                s[n][3] += q1 * k1;
+            }
+        }
+    }
+
+    template <int BN, int DV, int LDV>
+    static __device__ __forceinline__ void pv(const Acc (&p)[BN / 8][4], const T* sV, Acc (&o)[DV / 8][4]) {
+        const int lane = threadIdx.x & 31, t = lane & 3;
+#pragma unroll
+        for (int j = 0; j < BN; ++j) {
+            const Acc p0 = quad_fetch(p[j / 8], 0, j);  // P[g][j]
+            const Acc p1 = quad_fetch(p[j / 8], 1, j);  // P[g + 8][j]
+#pragma unroll
+            for (int n = 0; n < DV / 8; ++n) {
+                const Acc v0 = static_cast<Acc>(to_float_or_self(sV[j * LDV + 8 * n + 2 * t]));
+                const Acc v1 = static_cast<Acc>(to_float_or_self(sV[j * LDV + 8 * n + 2 * t + 1]));
+                o[n][0] += p0 * v0;
+                o[n][1] += p0 * v1;
+                o[n][2] += p1 * v0;
+                o[n][3] += p1 * v1;
+            }
+        }
+    }
+
+    // float16/bfloat16 widen to float; float and double stay themselves (no rounding).
+    template <typename U> static __device__ __forceinline__ auto to_float_or_self(U x) { return to_float(x); }
+    static __device__ __forceinline__ float to_float_or_self(float x) { return x; }
+    static __device__ __forceinline__ double to_float_or_self(double x) { return x; }
+};
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+
+// ------------------------------------------------------------------ float16 / bfloat16
+template <typename T> struct MmaF16Types;
+template <> struct MmaF16Types<__half> {
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        const __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const u32*>(&h);
+    }
+    static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct MmaF16Types<__nv_bfloat16> {
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const u32*>(&h);
+    }
+    static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+template <typename T>
+struct MmaF16 {
+    using Acc = float;
+
+    template <int HD, int BN, int LDQ, int LDK>
+    static __device__ __forceinline__ void qk(const T* sQw, const T* sK, float (&s)[BN / 8][4]) {
+        static_assert(HD % 16 == 0 && BN % 16 == 0, "m16n8k16 tiles");
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            u32 a[4];  // Q (16, 16): rows lane % 16, columns 16 kk + 8 (lane / 16)
+            ldmatrix_x4(a, sQw + (lane & 15) * LDQ + 16 * kk + (lane >> 4) * 8);
+#pragma unroll
+            for (int np = 0; np < BN / 16; ++np) {
+                u32 b[4];  // K rows 16 np .. +16: matrices (keys 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
+                ldmatrix_x4(b, sK + (16 * np + (lane & 7) + (lane >> 4) * 8) * LDK + 16 * kk + ((lane >> 3) & 1) * 8);
+                MmaF16Types<T>::mma(s[2 * np], a, b[0], b[1]);
+                MmaF16Types<T>::mma(s[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+    }
+
+    template <int BN, int DV, int LDV>
+    static __device__ __forceinline__ void pv(const float (&p)[BN / 8][4], const T* sV, float (&o)[DV / 8][4]) {
+        static_assert(DV % 16 == 0 && BN % 16 == 0, "m16n8k16 tiles");
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            // Two accumulator tiles of S are exactly one A fragment of P (16, 16): no shuffles.
+            const u32 a[4] = {
+                MmaF16Types<T>::pack(p[2 * kk][0], p[2 * kk][1]), MmaF16Types<T>::pack(p[2 * kk][2], p[2 * kk][3]),
+                MmaF16Types<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                MmaF16Types<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+            for (int np = 0; np < DV / 16; ++np) {
+                u32 b[4];  // V^T through ldmatrix.trans: (keys 0-7, d 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15)
+                ldmatrix_x4_trans(b, sV + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * LDV + 16 * np + (lane >> 4) * 8);
+                MmaF16Types<T>::mma(o[2 * np], a, b[0], b[1]);
+                MmaF16Types<T>::mma(o[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+    }
+};
+
+// ------------------------------------------------------------------ TF32 (allow_tf32)
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+struct MmaTf32 {
+    using Acc = float;
+
+    template <int HD, int BN, int LDQ, int LDK>
+    static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s)[BN / 8][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 2
+        for (int k8 = 0; k8 < HD / 8; ++k8) {
+            const float* q = sQw + 8 * k8 + t;  // A (16, 8): (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
+            const u32 a[4] = {to_tf32(q[g * LDQ]), to_tf32(q[(g + 8) * LDQ]), to_tf32(q[g * LDQ + 4]),
+                                   to_tf32(q[(g + 8) * LDQ + 4])};
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+                const float* kr = sK + (8 * n + g) * LDK + 8 * k8 + t;  // B (8, 8): (k t, n g), (k t + 4, n g)
+                mma_tf32(s[n], a, to_tf32(kr[0]), to_tf32(kr[4]));
+            }
+        }
+    }
+
+    template <int BN, int DV, int LDV>
+    static __device__ __forceinline__ void pv(const float (&p)[BN / 8][4], const float* sV, float (&o)[DV / 8][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int k8 = 0; k8 < BN / 8; ++k8) {
+            const u32 a[4] = {to_tf32(quad_fetch(p[k8], 0, t)), to_tf32(quad_fetch(p[k8], 1, t)),
+                                   to_tf32(quad_fetch(p[k8], 0, t + 4)), to_tf32(quad_fetch(p[k8], 1, t + 4))};
+#pragma unroll
+            for (int n = 0; n < DV / 8; ++n) {
+                const float* vr = sV + (8 * k8 + t) * LDV + 8 * n + g;
+                mma_tf32(o[n], a, to_tf32(vr[0]), to_tf32(vr[4 * LDV]));
+            }
+        }
+    }
+};
+
+// ------------------------------------------------------------------ float64 (DMMA)
+__device__ __forceinline__ void mma_f64(double& c0, double& c1, double a, double b) {
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+d"(c0), "+d"(c1) : "d"(a), "d"(b));
+}
+
+struct MmaF64 {
+    using Acc = double;
+
+    template <int HD, int BN, int LDQ, int LDK>
+    static __device__ __forceinline__ void qk(const double* sQw, const double* sK, double (&s)[BN / 8][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 4
+        for (int k4 = 0; k4 < HD / 4; ++k4) {
+            const double a_hi = sQw[g * LDQ + 4 * k4 + t];        // A (8, 4) of rows 0-7: (g, t)
+            const double a_lo = sQw[(g + 8) * LDQ + 4 * k4 + t];  // rows 8-15
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+                const double b = sK[(8 * n + g) * LDK + 4 * k4 + t];  // B (4, 8): (k t, n g)
+                mma_f64(s[n][0], s[n][1], a_hi, b);
+                mma_f64(s[n][2], s[n][3], a_lo, b);
+            }
+        }
+    }
+
+    template <int BN, int DV, int LDV>
+    static __device__ __forceinline__ void pv(const double (&p)[BN / 8][4], const double* sV, double (&o)[DV / 8][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int k4 = 0; k4 < BN / 4; ++k4) {
+            const int col = 4 * (k4 & 1) + t;  // key 4 k4 + t inside its 8-column tile k4 / 2
+            const double a_hi = quad_fetch(p[k4 / 2], 0, col);
+            const double a_lo = quad_fetch(p[k4 / 2], 1, col);
+#pragma unroll
+            for (int n = 0; n < DV / 8; ++n) {
+                const double b = sV[(4 * k4 + t) * LDV + 8 * n + g];
+                mma_f64(o[n][0], o[n][1], a_hi, b);
+                mma_f64(o[n][2], o[n][3], a_lo, b);
+            }
+        }
+    }
+};
+
+#endif  // sm_80+
+
+}  // namespace flash

@@ -1,0 +1,69 @@
+// The parameter block of the attention kernels, passed by value.
+//
+// flashcupy/cuda/params.py builds the same layout as a NumPy structured scalar
+// (fields sorted by size, so no padding is ever inserted); FLASH_PARAMS_SIZE,
+// defined by the compiler options, is that scalar's size and is checked below.
+#pragma once
+
+
+namespace flash {
+
+// Fixed-width integers without <cstdint>, which NVRTC does not ship.
+using i32 = int;
+using u32 = unsigned int;
+using i64 = long long;
+using u64 = unsigned long long;
+static_assert(sizeof(i32) == 4 && sizeof(i64) == 8, "fixed-width aliases");
+
+// Dtype codes for arrays whose dtype is decided at run time (the bias).
+enum DtypeCode : i32 { kF16 = 0, kBF16 = 1, kF32 = 2, kF64 = 3 };
+// Causal modes.
+enum Causal : i32 { kNoCausal = 0, kBottomRight = 1, kTopLeft = 2 };
+
+struct Params {
+    // ---- 8-byte fields
+    const void* q;             // (B, Hq, Lq, D) or packed (Hq, total_q, D); last axis contiguous
+    const void* k;             // (B, Hk, Lk, D) or (Hk, total_k, D)
+    const void* v;             // (B, Hk, Lk, Dv) or (Hk, total_k, Dv)
+    void* o;                   // like q with Dv, contiguous
+    void* lse;                 // (B, Hq, Lq) or (Hq, total_q), float32 (float64 for float64 inputs)
+    const bool* mask;          // strided view broadcast to (B, Hq, Lq, Lk); nullptr if none
+    const void* bias;          // strided view broadcast to (B, Hq, Lq, Lk); nullptr if none
+    const double* alibi;       // (B, Hq) slopes, strided; nullptr if none
+    const bool* block_mask;    // strided view broadcast to (B, Hq, nbq, nbk); nullptr if none
+    const i32* cu_seqlens_q;  // (B + 1) packed offsets; nullptr when padded
+    const i32* cu_seqlens_k;
+    const i32* seqlens_q;  // (B) valid lengths of a padded batch; nullptr = all Lq
+    const i32* seqlens_k;
+    i64 q_sb, q_sh, q_sr;  // strides in elements: batch, head, row
+    i64 k_sb, k_sh, k_sr;
+    i64 v_sb, v_sh, v_sr;
+    i64 o_sb, o_sh, o_sr;
+    i64 lse_sb, lse_sh;
+    i64 mask_sb, mask_sh, mask_si, mask_sj;
+    i64 bias_sb, bias_sh, bias_si, bias_sj;
+    i64 bm_sb, bm_sh, bm_si, bm_sj;
+    i64 alibi_sb, alibi_sh;
+    u64 seed;             // Philox key = (seed mod 2^32, seed >> 32)
+    double scale;              // softmax scale
+    double softcap;            // > 0 when softcapping
+    double dropout_scale;      // 1 / (1 - dropout_p)
+    // ---- 4-byte fields
+    i32 batch, hq, hk;     // hq % hk == 0
+    i32 lq, lk;            // frame lengths (longest sequence when packed)
+    i32 d, dv;             // true head dims (the kernel's tiles may be wider)
+    i32 causal;            // Causal
+    i32 window_left, window_right;  // < 0: unbounded
+    i32 block_size;        // block_mask granularity
+    i32 bias_dtype;        // DtypeCode
+    u32 dropout_threshold;  // keep iff Philox word >= threshold; 0 = no dropout
+    u32 dropout_offset;
+    i32 has_softcap;
+    i32 aligned;           // 1: q, k, v pointers, row strides and head dims are 16-byte multiples
+};
+
+#ifdef FLASH_PARAMS_SIZE
+static_assert(sizeof(Params) == FLASH_PARAMS_SIZE, "Params layout differs from flashcupy/cuda/params.py");
+#endif
+
+}  // namespace flash

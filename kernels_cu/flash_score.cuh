@@ -1,0 +1,180 @@
+// The score pipeline of design.md section 2, shared by every attention kernel:
+//   s = scale * q.k -> softcap -> + bias + ALiBi -> -inf where any mask says no,
+// plus the per-tile tests that let a kernel skip key tiles no score survives in.
+//
+// Scores are kept in the log2 domain (multiplied by log2(e)) so that the softmax
+// can use exp2; -inf is exact in both domains.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "flash_params.cuh"
+
+namespace flash {
+
+constexpr double kLog2e = 1.4426950408889634073599246810018921;
+// -infinity, the score of a masked (row, key): exp2(-inf) is exactly 0 and max() keeps it.
+template <typename Acc> __device__ __forceinline__ Acc neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float(0xff800000u); }
+template <> __device__ __forceinline__ double neg_inf<double>() { return __longlong_as_double(0xfff0000000000000ull); }
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<double>(double x) { return static_cast<float>(x); }
+
+template <typename Acc> __device__ __forceinline__ Acc load_as(const void* p, i64 index, i32 dtype) {
+    switch (dtype) {
+        case kF16: return static_cast<Acc>(__half2float(static_cast<const __half*>(p)[index]));
+        case kBF16: return static_cast<Acc>(__bfloat162float(static_cast<const __nv_bfloat16*>(p)[index]));
+        case kF32: return static_cast<Acc>(static_cast<const float*>(p)[index]);
+        default: return static_cast<Acc>(static_cast<const double*>(p)[index]);
+    }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
+__device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+// Per-(batch, head) view of a problem: lengths, offsets and the diagonal.
+struct HeadView {
+    i32 b, h, bh;            // bh: flat (batch, query head) index, Philox counter word 2
+    i32 q_len, kv_len;       // valid rows and keys of this batch element
+    i32 q_start, k_start;    // first packed row/key (0 when padded)
+    i32 diagonal;            // kv_len - q_len: column i + diagonal aligns with row i
+};
+
+__device__ __forceinline__ HeadView head_view(const Params& p, i32 bh) {
+    HeadView hv;
+    hv.bh = bh;
+    hv.b = bh / p.hq;
+    hv.h = bh - hv.b * p.hq;
+    if (p.cu_seqlens_q != nullptr) {
+        hv.q_start = p.cu_seqlens_q[hv.b];
+        hv.k_start = p.cu_seqlens_k[hv.b];
+        hv.q_len = p.cu_seqlens_q[hv.b + 1] - hv.q_start;
+        hv.kv_len = p.cu_seqlens_k[hv.b + 1] - hv.k_start;
+    } else {
+        hv.q_start = hv.k_start = 0;
+        hv.q_len = p.seqlens_q != nullptr ? p.seqlens_q[hv.b] : p.lq;
+        hv.kv_len = p.seqlens_k != nullptr ? p.seqlens_k[hv.b] : p.lk;
+    }
+    hv.diagonal = hv.kv_len - hv.q_len;
+    return hv;
+}
+
+// Keys [lo, hi) that some row of [i0, i1) may attend under causal and window.
+__device__ __forceinline__ void key_range(const Params& p, const HeadView& hv, int i0, int i1, int& lo, int& hi) {
+    lo = 0;
+    hi = hv.kv_len;
+    if (p.causal != kNoCausal) hi = min(hi, i1 + (p.causal == kTopLeft ? 0 : hv.diagonal));
+    if (p.window_left >= 0) lo = max(lo, i0 + hv.diagonal - p.window_left);
+    if (p.window_right >= 0) hi = min(hi, i1 + hv.diagonal + p.window_right);
+    hi = max(hi, 0);
+    lo = min(max(lo, 0), hi);
+}
+
+// True when every score of tile [i0, i1) x [j0, j1) passes causal and window, so the
+// kernel can skip the per-element comparisons.
+__device__ __forceinline__ bool tile_inside_band(const Params& p, const HeadView& hv, int i0, int i1, int j0, int j1) {
+    if (p.causal != kNoCausal && j1 - 1 > i0 + (p.causal == kTopLeft ? 0 : hv.diagonal)) return false;
+    if (p.window_left >= 0 && j0 < i1 - 1 + hv.diagonal - p.window_left) return false;
+    if (p.window_right >= 0 && j1 - 1 > i0 + hv.diagonal + p.window_right) return false;
+    return true;
+}
+
+// Does some score of tile [i0, i1) x [j0, j1) survive block_mask and mask? Called by every
+// thread of the block (it ends in a barrier); the caller then skips the tile entirely.
+__device__ __forceinline__ bool tile_live(const Params& p, const HeadView& hv, int i0, int i1, int j0, int j1) {
+    bool live = true;
+    if (p.block_mask != nullptr) {
+        const int bs = p.block_size;
+        const int bi0 = i0 / bs, bi1 = (i1 - 1) / bs, bj0 = j0 / bs, bj1 = (j1 - 1) / bs;
+        const int nbj = bj1 - bj0 + 1;
+        const int count = (bi1 - bi0 + 1) * nbj;
+        const bool* base = p.block_mask + hv.b * p.bm_sb + hv.h * p.bm_sh;
+        bool any = false;
+        for (int t = threadIdx.x; t < count; t += blockDim.x) {
+            const int bi = bi0 + t / nbj, bj = bj0 + t % nbj;
+            any |= base[bi * p.bm_si + bj * p.bm_sj];
+        }
+        live = __syncthreads_or(any) != 0;
+    }
+    if (live && p.mask != nullptr) {
+        const int cols = j1 - j0;
+        const int count = (i1 - i0) * cols;
+        const bool* base = p.mask + hv.b * p.mask_sb + hv.h * p.mask_sh;
+        bool any = false;
+        for (int t = threadIdx.x; t < count && !any; t += blockDim.x) {
+            const int i = i0 + t / cols, j = j0 + t % cols;
+            any |= base[i * p.mask_si + j * p.mask_sj];
+        }
+        live = __syncthreads_or(any) != 0;
+    }
+    return live;
+}
+
+// Everything a thread needs to turn raw products q.k into log2-domain scores.
+template <typename Acc>
+struct ScoreOp {
+    Acc scale_log2;      // scale * log2(e) (no softcap)
+    Acc scale;           // scale (softcap)
+    Acc softcap, inv_softcap;
+    Acc slope_log2;      // ALiBi slope * log2(e), 0 without ALiBi
+    const void* bias;    // this head's bias, or nullptr
+    const bool* mask;    // this head's mask, or nullptr
+    const bool* block_mask;
+
+    __device__ __forceinline__ ScoreOp(const Params& p, const HeadView& hv) {
+        scale = static_cast<Acc>(p.scale);
+        scale_log2 = static_cast<Acc>(p.scale * kLog2e);
+        softcap = static_cast<Acc>(p.softcap);
+        inv_softcap = p.has_softcap ? static_cast<Acc>(1.0 / p.softcap) : Acc(0);
+        slope_log2 = p.alibi != nullptr
+            ? static_cast<Acc>(p.alibi[hv.b * p.alibi_sb + hv.h * p.alibi_sh] * kLog2e) : Acc(0);
+        bias = p.bias != nullptr
+            ? static_cast<const void*>(static_cast<const char*>(p.bias)
+                                       + (hv.b * p.bias_sb + hv.h * p.bias_sh) * elem_size(p.bias_dtype))
+            : nullptr;
+        mask = p.mask != nullptr ? p.mask + hv.b * p.mask_sb + hv.h * p.mask_sh : nullptr;
+        block_mask = p.block_mask != nullptr ? p.block_mask + hv.b * p.bm_sb + hv.h * p.bm_sh : nullptr;
+    }
+
+    static __device__ __forceinline__ i64 elem_size(i32 dtype) {
+        return dtype == kF64 ? 8 : dtype == kF32 ? 4 : 2;
+    }
+
+    // The log2-domain score of row i, key j (positions inside the sequence) from raw = q.k.
+    // check_band: the tile crosses a causal/window edge, compare per element.
+    __device__ __forceinline__ Acc operator()(const Params& p, const HeadView& hv, Acc raw, int i, int j,
+                                              bool check_band) const {
+        if (i >= hv.q_len || j >= hv.kv_len) return neg_inf<Acc>();  // padding: masked
+        Acc s;
+        if (p.has_softcap) {
+            s = softcap * tanh_acc(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
+        } else {
+            s = raw * scale_log2;
+        }
+        if (bias != nullptr) s += load_as<Acc>(bias, i * p.bias_si + j * p.bias_sj, p.bias_dtype) * static_cast<Acc>(kLog2e);
+        if (p.alibi != nullptr) {
+            const int dist = abs(i + hv.diagonal - j);  // s -= slope * |i + Lk - Lq - j|
+            s -= slope_log2 * static_cast<Acc>(dist);
+        }
+        bool keep = true;
+        if (check_band) {
+            if (p.causal != kNoCausal) keep &= j <= i + (p.causal == kTopLeft ? 0 : hv.diagonal);
+            if (p.window_left >= 0) keep &= j >= i + hv.diagonal - p.window_left;
+            if (p.window_right >= 0) keep &= j <= i + hv.diagonal + p.window_right;
+        }
+        if (mask != nullptr) keep &= mask[i * p.mask_si + j * p.mask_sj];
+        if (block_mask != nullptr) keep &= block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
+        return keep ? s : neg_inf<Acc>();
+    }
+};
+
+}  // namespace flash

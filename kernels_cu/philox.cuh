@@ -1,0 +1,47 @@
+// Philox4x32-10 (Salmon et al. 2011; cuRAND's Philox4_32_10) and the dropout keep test.
+//
+// The bits are the contract of design.md section 2, shared with flashcupy/rng.py:
+//   key = (seed mod 2^32, seed >> 32), counter = (j >> 2, i, bh, offset),
+//   keep(i, j) = word (j & 3) of Philox(counter, key) >= threshold.
+#pragma once
+
+#include "flash_params.cuh"
+
+
+namespace flash {
+
+struct Philox4 {
+    u32 x, y, z, w;
+};
+
+__device__ __forceinline__ Philox4 philox4x32_10(u32 c0, u32 c1, u32 c2, u32 c3,
+                                                 u32 k0, u32 k1) {
+    constexpr u32 M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;  // round multipliers
+    constexpr u32 W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;  // Weyl key increments
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        const u32 hi0 = __umulhi(M0, c0), lo0 = M0 * c0;
+        const u32 hi1 = __umulhi(M1, c2), lo1 = M1 * c2;
+        const u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+        k0 += W0;
+        k1 += W1;
+    }
+    return {c0, c1, c2, c3};
+}
+
+// Keep bits for columns (j0, j0 + 1) of row i, j0 even: one Philox call serves both,
+// since j0 >> 2 == (j0 + 1) >> 2 and their words are (j0 & 3) and (j0 & 3) + 1.
+__device__ __forceinline__ void dropout_keep_pair(u64 seed, u32 offset, u32 bh, u32 i,
+                                                  u32 j0, u32 threshold, bool& keep0, bool& keep1) {
+    const Philox4 r = philox4x32_10(j0 >> 2, i, bh, offset, static_cast<u32>(seed),
+                                    static_cast<u32>(seed >> 32));
+    const bool upper = (j0 & 2) != 0;
+    keep0 = (upper ? r.z : r.x) >= threshold;
+    keep1 = (upper ? r.w : r.y) >= threshold;
+}
+
+}  // namespace flash

@@ -1,0 +1,193 @@
+"""The CUDA backend against the float64 reference. Run on a GPU: ``pytest -m gpu``.
+
+Outputs are poisoned (NaN) before every launch, so an element a kernel forgets to
+write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import flashcupy as fc
+from flashcupy import rng
+from support import BF16, F16, F32, F64, Case, assert_rule, cases, cu_seqlens, padded_to_packed
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy")
+from flashcupy import cuda  # noqa: E402  (needs CuPy)
+from flashcupy.cuda import compile as kernels  # noqa: E402
+from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_forward_specs  # noqa: E402
+
+GPU_SETTINGS = settings(max_examples=int(os.environ.get("FLASHCUPY_GPU_EXAMPLES", "60")), deadline=None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_session():
+    """Poison every output; compile every forward specialisation of this GPU up front, in parallel."""
+    device = cupy.cuda.Device().id
+    arch, _ = cuda.device_limits(device)
+    kernels.precompile(all_forward_specs(min(arch, 90)), device, workers=os.cpu_count() or 4)
+    cuda.poison_outputs = True
+    yield
+    cuda.poison_outputs = False
+
+
+def _device(x: np.ndarray):
+    """A CuPy copy of x with x's strides (a (B, L, H, D) view stays a strided view)."""
+    if x.flags.c_contiguous or x.ndim < 3:
+        return cupy.asarray(x)
+    return cupy.asarray(np.ascontiguousarray(x.swapaxes(-2, -3))).swapaxes(-2, -3)
+
+
+def _device_options(options: dict) -> dict:
+    return {n: (cupy.asarray(x) if n in ("mask", "bias", "block_mask") else x) for n, x in options.items()}
+
+
+def _check_forward(case: Case, **extra) -> None:
+    q, k, v = (_device(x) for x in (case.q, case.k, case.v))
+    out, lse = fc.flash_attention(q, k, v, return_lse=True, backend="cuda", **_device_options(case.options), **extra)
+    assert isinstance(out, cupy.ndarray) and out.dtype == case.dtype and out.device.id == q.device.id
+    ref, naive = case.references(with_backward=False)
+    assert_rule("out", out.get(), ref["out"], naive["out"], case.dtype)
+    assert_rule("lse", lse.get(), ref["lse"], naive["lse"], case.dtype)
+
+
+def _case(shape_q, shape_k, dv=None, dtype=F16, data_seed=0, **options) -> Case:
+    rs = np.random.default_rng(data_seed)
+    dv = shape_k[-1] if dv is None else dv
+    arrays = [rs.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_k[:-1] + (dv,), shape_q[:-1] + (dv,))]
+    return Case(*arrays, options)
+
+
+@GPU_SETTINGS
+@given(cases())
+@example(_case((2, 4, 1025, 40), (2, 2, 1025, 40), causal=True))
+@example(_case((1, 3, 97, 512), (1, 3, 130, 512), dtype=BF16))
+@example(_case((1, 2, 200, 256), (1, 2, 77, 256), dtype=F64, causal="top_left"))
+@example(_case((2, 1, 300, 80), (2, 1, 300, 80), dtype=F32, window=(17, 3), softcap=4.0))
+@example(_case((3, 2, 64, 128), (3, 2, 64, 128), dv=24, dropout_p=0.3, seed=2**40 + 9, dropout_offset=5))
+def test_forward_matches_reference(case: Case) -> None:
+    _check_forward(case)
+
+
+@GPU_SETTINGS
+@given(cases())
+def test_portable_path_matches_reference(case: Case) -> None:
+    """The SIMT kernels GPUs before sm_80 run, forced on this GPU."""
+    with mock.patch.dict(os.environ, {FORCE_PORTABLE_ENV: "1"}):
+        _check_forward(case)
+
+
+@GPU_SETTINGS
+@given(cases(dtypes=(F32,)))
+def test_tf32_close_to_reference(case: Case) -> None:
+    """allow_tf32 trades float32 accuracy for tensor cores: 10-bit mantissas in both products."""
+    q, k, v = (_device(x) for x in (case.q, case.k, case.v))
+    out = fc.flash_attention(q, k, v, allow_tf32=True, backend="cuda", **_device_options(case.options)).get()
+    ref, _ = case.references(with_backward=False)
+    finite = np.isfinite(ref["out"])
+    assert np.array_equal(np.isfinite(out), finite)
+    assert np.max(np.abs(out - ref["out"])[finite], initial=0.0) <= 4e-3 * max(1.0, np.abs(ref["out"][finite]).max(initial=0.0))
+
+
+def test_philox_equals_curand() -> None:
+    """Our device Philox, cuRAND's Philox4_32_10 (through curand_init's counter and key) and rng.py agree."""
+    rs = np.random.default_rng(0)
+    n = 4096
+    ctr = rs.integers(0, 2**32, (n, 4), dtype=np.uint64).astype(np.uint32)
+    ctr[:, 1] %= 2**30  # curand_init's offset is 4 * (x | y << 32) in 64 bits
+    key = rs.integers(0, 2**32, (n, 2), dtype=np.uint64).astype(np.uint32)
+    results = {}
+    device = cupy.cuda.Device().id
+    for name in ("philox_ours", "philox_curand"):
+        out = cupy.zeros((n, 4), dtype=cupy.uint32)
+        kernels.get_function("philox_test", name, device)(
+            ((n + 127) // 128,), (128,), (cupy.asarray(ctr), cupy.asarray(key), out, np.int32(n))
+        )
+        results[name] = out.get()
+    host = np.stack(rng.philox4x32_10(tuple(ctr.T), tuple(key.T)), axis=1)
+    np.testing.assert_array_equal(results["philox_ours"], host)
+    np.testing.assert_array_equal(results["philox_curand"], host)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
+def test_dropout_bits_equal_dropout_mask(dtype) -> None:
+    """With v = I the output row is the dropped-out probability row: zero exactly where dropped."""
+    lq, lk, p, seed = 70, 48, 0.35, 2**33 + 17
+    rs = np.random.default_rng(1)
+    q = cupy.asarray((0.1 * rs.standard_normal((2, 3, lq, 16))).astype(dtype))
+    k = cupy.asarray((0.1 * rs.standard_normal((2, 3, lk, 16))).astype(dtype))
+    v = cupy.asarray(np.broadcast_to(np.eye(lk, dtype=dtype), (2, 3, lk, lk)).copy())
+    out = fc.flash_attention(q, k, v, dropout_p=p, seed=seed, dropout_offset=3, backend="cuda").get()
+    keep = fc.dropout_mask((2, 3, lq, lk), p, seed, offset=3)
+    np.testing.assert_array_equal(out != 0, keep)
+
+
+def test_results_are_bitwise_repeatable() -> None:
+    case = _case((2, 4, 333, 64), (2, 2, 333, 64), causal=True, dropout_p=0.2, seed=5)
+    q, k, v = (cupy.asarray(x) for x in (case.q, case.k, case.v))
+    runs = [fc.flash_attention(q, k, v, backend="cuda", **case.options).get() for _ in range(3)]
+    for r in runs[1:]:
+        np.testing.assert_array_equal(r, runs[0])
+
+
+def test_numpy_in_numpy_out_through_the_gpu() -> None:
+    case = _case((2, 2, 50, 32), (2, 2, 60, 32), dtype=F32)
+    out = fc.flash_attention(case.q, case.k, case.v, backend="auto")
+    assert type(out) is np.ndarray and out.dtype == np.float32
+    ref, naive = case.references(with_backward=False)
+    assert_rule("out", out, ref["out"], naive["out"], F32)
+
+
+def test_torch_in_torch_out_zero_copy() -> None:
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    out = fc.flash_attention(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.float16
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert (out.float() - ref).abs().max().item() < 5e-3
+
+
+@pytest.mark.parametrize("lq, lk", [(0, 5), (5, 0), (1, 1)])
+def test_empty_and_single_lengths(lq, lk) -> None:
+    case = _case((2, 3, lq, 16), (2, 3, lk, 16), dtype=F32)
+    _check_forward(case)
+
+
+def test_fully_masked_rows_are_zero_with_minus_inf_lse() -> None:
+    mask = np.ones((40, 50), bool)
+    mask[[0, 13, 39]] = False
+    case = _case((2, 2, 40, 64), (2, 2, 50, 64), mask=mask)
+    _check_forward(case)
+
+
+@given(st.data())
+@settings(max_examples=15, deadline=None)
+def test_varlen_equals_padded(data) -> None:
+    batch, hq, lq, lk = 3, 2, data.draw(st.integers(1, 150)), data.draw(st.integers(1, 150))
+    dtype = data.draw(st.sampled_from([F16, F64]))
+    case = _case((batch, hq, lq, 64), (batch, hq, lk, 64), dtype=dtype, data_seed=data.draw(st.integers(0, 99)))
+    rs = np.random.default_rng(data.draw(st.integers(0, 99)))
+    ql, kl = rs.integers(0, lq + 1, batch), rs.integers(0, lk + 1, batch)
+    ql[0], kl[0] = lq, lk
+    opts = {"causal": data.draw(st.sampled_from([False, True])), "dropout_p": 0.2, "seed": 3, "backend": "cuda"}
+    q, k, v = (cupy.asarray(x) for x in (case.q, case.k, case.v))
+    padded = fc.flash_attention(q, k, v, q_lengths=ql, kv_lengths=kl, **opts).get()
+    packed = [cupy.asarray(padded_to_packed(x, n)) for x, n in ((case.q, ql), (case.k, kl), (case.v, kl))]
+    out = fc.flash_attention_varlen(*packed, cu_seqlens(ql), cu_seqlens(kl), **opts).get()
+    np.testing.assert_array_equal(out, padded_to_packed(padded, ql))
+
+
+def test_more_than_65535_heads() -> None:
+    """batch x heads beyond gridDim.y's limit of 65535."""
+    case = _case((70000, 1, 3, 8), (70000, 1, 5, 8), dtype=F32)
+    q, k, v = (cupy.asarray(x) for x in (case.q, case.k, case.v))
+    out = fc.flash_attention(q, k, v, backend="cuda").get()
+    ref = fc.attention_reference(case.q, case.k, case.v)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
