@@ -1,0 +1,140 @@
+"""Plot a result file of bench_attention.py: a PNG beside the JSON.
+
+    python bench/plot.py bench/results/<gpu>-<yyyy-mm-dd>.json    # writes <gpu>-<yyyy-mm-dd>.png
+
+One panel per (dtype, D, causal, mode): TFLOP/s against L (log2 axis), one
+line per system, markers at the measured points, so a single L plots too.
+When the file has peak-memory entries, one more panel: MiB against L, log-log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # file output only; before pyplot is imported
+import matplotlib.pyplot as plt
+from bench_attention import DTYPES, MODES, SYSTEMS  # bench/, the script's directory, is on sys.path
+
+#: One colour per system, the same in every panel; systems unknown here get later colours.
+COLORS = {system: f"C{i}" for i, system in enumerate(SYSTEMS)}
+PANEL_COLUMNS = 4
+
+
+def system_order(systems: set[str]) -> list[str]:
+    """Known systems in bench_attention's order, then any others by name."""
+    return [s for s in SYSTEMS if s in systems] + sorted(systems - set(SYSTEMS))
+
+
+def panel_key(panel: tuple) -> tuple:
+    """Sort key of a panel (dtype, D, causal, mode): dtypes and modes in their benchmark order."""
+    dtype, D, causal, mode = panel
+    rank = {name: i for i, name in enumerate(DTYPES)}
+    return (rank.get(dtype, len(rank)), dtype, D, causal, MODES.index(mode) if mode in MODES else len(MODES))
+
+
+def series(entries: Sequence[dict[str, Any]], value: str, group: Sequence[str]) -> dict[tuple, dict[str, dict[int, float]]]:
+    """group values -> system -> {L: value}, for the entries that have ``value``; a repeated
+    (group, system, L) keeps the last entry and says so on stderr."""
+    out: dict[tuple, dict[str, dict[int, float]]] = {}
+    for e in entries:
+        if value not in e:
+            continue
+        points = out.setdefault(tuple(e[g] for g in group), {}).setdefault(e["system"], {})
+        if e["L"] in points:
+            print(f"plot: several {e['system']} entries at L={e['L']} for {tuple(e[g] for g in group)}; "
+                  "plotting the last", file=sys.stderr)
+        points[e["L"]] = e[value]
+    return out
+
+
+def length_label(L: int) -> str:
+    """1024 -> '1k', 65536 -> '64k', 1000 -> '1000'."""
+    return f"{L // 1024}k" if L % 1024 == 0 else str(L)
+
+
+def draw(ax: Any, lines: dict[str, dict[int, float]], log_y: bool) -> None:
+    """One line per system over L on a log2 axis, ticks at the measured lengths."""
+    lengths = sorted({L for points in lines.values() for L in points})
+    for system in system_order(set(lines)):
+        xs = sorted(lines[system])
+        ax.plot(xs, [lines[system][L] for L in xs], marker="o", label=system, color=COLORS.get(system),
+                linewidth=2.5 if system == "flashcupy" else 1.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(lengths[0] / 1.5, lengths[-1] * 1.5)
+    ax.set_xticks(lengths, [length_label(L) for L in lengths])
+    ax.minorticks_off()
+    ax.set_xlabel("L")
+    if log_y:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+
+
+def plot(document: dict[str, Any], path: Path) -> Path:
+    """Draw ``document`` (a bench_attention.py result) and save it as ``path`` with a .png suffix."""
+    speed = series(document.get("rows", []), "tflops", ("dtype", "D", "causal", "mode"))
+    memory = series(document.get("memory", []), "peak_mib", ())
+    panels = sorted(speed, key=panel_key)
+    count = len(panels) + bool(memory)
+    if not count:
+        raise ValueError(f"{path}: no rows or peak-memory entries to plot")
+    cols = min(PANEL_COLUMNS, count)
+    rows = math.ceil(count / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    flat = list(axes.flat)
+    for ax, (dtype, D, causal, mode) in zip(flat, panels, strict=False):
+        draw(ax, speed[dtype, D, causal, mode], log_y=False)
+        ax.set_title(f"{dtype} D={D} {'causal' if causal else 'non-causal'} {mode}")
+        ax.set_ylabel("TFLOP/s")
+    if memory:
+        ax = flat[len(panels)]
+        draw(ax, memory[()], log_y=True)
+        shapes = {(e["dtype"], e["B"], e["H"], e["D"]) for e in document["memory"] if "peak_mib" in e}
+        title = "peak memory"
+        if len(shapes) == 1:
+            dtype, B, H, D = shapes.pop()
+            title += f", {dtype} B={B} H={H} D={D}"
+        ax.set_title(title + " fwd")
+        ax.set_ylabel("MiB beyond the inputs")
+    for ax in flat[count:]:
+        ax.set_visible(False)
+    handles: dict[str, Any] = {}
+    for ax in flat[:count]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    labels = system_order(set(handles))
+    fig.legend([handles[s] for s in labels], labels, loc="lower center", ncol=len(labels), frameon=False)
+    versions = ", ".join(f"{name} {document[name]}" for name in ("cupy", "torch", "flashcupy") if name in document)
+    fig.suptitle(f"{document.get('gpu', '?')}, {document.get('date', '?')}   ({versions})")
+    margin = 0.5 / fig.get_figheight()  # half an inch for the legend below and the title above
+    fig.tight_layout(rect=(0, margin, 1, 1 - margin))
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("result", type=Path, help="a JSON file written by bench/bench_attention.py")
+    args = parser.parse_args(argv)
+    try:
+        out = plot(json.loads(args.result.read_text()), args.result)
+    except (OSError, ValueError) as exc:
+        print(f"plot: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
