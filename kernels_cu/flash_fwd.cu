@@ -10,7 +10,10 @@
 //
 // Template parameters: T the element type, Policy the warp product (flash_mma.cuh),
 // HD the padded QK head dim, DV the width of the Dv chunk this block computes, BLOCK_N
-// keys per tile, NUM_WARPS warps (BLOCK_M = 16 NUM_WARPS rows).
+// keys per tile, NUM_WARPS warps of 16 Policy::MI rows each (BLOCK_M = 16 MI NUM_WARPS).
+// FULL compiles the whole score pipeline (bias, ALiBi, softcap, masks, block mask) and
+// dropout; without it only causal, window and lengths remain, which frees the registers
+// that let a warp own two row groups.
 #include "flash_copy.cuh"
 #include "flash_mma.cuh"
 #include "flash_params.cuh"
@@ -21,11 +24,22 @@ namespace flash {
 
 template <typename Acc> __device__ __forceinline__ Acc max_acc(Acc a, Acc b) { return a > b ? a : b; }
 
-template <typename T, typename Policy, int HD, int DV, int BLOCK_N, int NUM_WARPS>
-__global__ void __launch_bounds__(NUM_WARPS * 32) flash_fwd(const Params p) {
+// The first key tile at or after j (below hi) that some score of rows [i0, i1) survives in.
+template <int BLOCK_N, bool FULL>
+__device__ __forceinline__ int next_live_tile(const Params& p, const HeadView& hv, int i0, int i1, int j, int hi) {
+    if constexpr (FULL) {
+        while (j < hi && !tile_live(p, hv, i0, i1, j, min(j + BLOCK_N, hi))) j += BLOCK_N;
+    }
+    return j;
+}
+
+template <typename T, typename Policy, int HD, int DV, int BLOCK_N, int NUM_WARPS, bool FULL>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     using Acc = typename Policy::Acc;
     constexpr int THREADS = NUM_WARPS * 32;
-    constexpr int BLOCK_M = 16 * NUM_WARPS;
+    constexpr int MI = Policy::MI;          // 16-row groups per warp
+    constexpr int WARP_M = 16 * MI;
+    constexpr int BLOCK_M = WARP_M * NUM_WARPS;
     constexpr int PAD = 16 / sizeof(T);  // one 16-byte chunk per row: ldmatrix rows hit distinct banks
     constexpr int LDQ = HD + PAD, LDK = HD + PAD, LDV = DV + PAD;
     constexpr int NT = BLOCK_N / 8;      // accumulator tiles of S per warp
@@ -69,49 +83,86 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) flash_fwd(const Params p) {
     if (rows_valid > 0) key_range(p, hv, i0, i0 + rows_valid, lo, hi);
 
     const bool aligned = p.aligned != 0;
-    load_tile<T, BLOCK_M, HD, LDQ, THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, rows_valid, p.d, aligned);
-    cp_async_commit();
-
     const ScoreOp<Acc> score(p, hv);
-    const int r0 = i0 + 16 * warp + g;  // this thread's rows: r0 and r0 + 8
-    Acc m[2] = {neg_inf<Acc>(), neg_inf<Acc>()};   // running row max (log2 domain)
-    Acc l[2] = {Acc(0), Acc(0)};         // this thread's share of the running row sum
-    Acc o[NO][4];
+    // No option touches the scores: interior tiles only need S * scale * log2(e).
+    const bool plain = !FULL || (!p.has_softcap && score.bias == nullptr && p.alibi == nullptr
+                                 && score.mask == nullptr && score.block_mask == nullptr);
+    // This thread's rows: row(x) = r0 + 8 x for x = 2 mi + (e >> 1), x in [0, 2 MI).
+    const int r0 = i0 + WARP_M * warp + g;
+    Acc m[2 * MI], l[2 * MI];  // running row max (log2 domain); this thread's share of the row sum
+    Acc o[MI][NO][4];
 #pragma unroll
-    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = Acc(0);
-    const bool dropout = p.dropout_threshold != 0;
+    for (int x = 0; x < 2 * MI; ++x) {
+        m[x] = neg_inf<Acc>();
+        l[x] = Acc(0);
+    }
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int n = 0; n < NO; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = Acc(0);
+    const bool dropout = FULL && p.dropout_threshold != 0;
+    const int i1 = i0 + rows_valid;
 
-    for (int j0 = lo; j0 < hi; j0 += BLOCK_N) {
+    // Pipeline (FA2): V_j streams in while S_j = Q K_j^T and its softmax are computed, and
+    // K_next streams in while O += P_j V_j; one buffer each, two barriers per tile.
+    load_tile<T, BLOCK_M, HD, LDQ, THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, rows_valid, p.d, aligned);
+    // Key tiles start at multiples of BLOCK_N (keys before lo are masked by the band test):
+    // dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned.
+    int j0 = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, lo - lo % BLOCK_N, hi);
+    if (j0 < hi) load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, min(BLOCK_N, hi - j0), p.d, aligned);
+    cp_async_commit();
+    while (j0 < hi) {
         const int j1 = min(j0 + BLOCK_N, hi);
-        if (!tile_live(p, hv, i0, i0 + rows_valid, j0, j1)) continue;  // uniform: every thread agrees
-        __syncthreads();  // the previous tile's readers are done with sK and sV
-        load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, j1 - j0, p.d, aligned);
-        cp_async_commit();
+        cp_async_wait<0>();  // Q and K_j have landed
+        __syncthreads();     // ... for every thread; and every warp is done with V of the last tile
         load_tile<T, BLOCK_N, DV, LDV, THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_valid, aligned);
         cp_async_commit();
-        cp_async_wait<1>();  // Q and K have landed; V may still be in flight
-        __syncthreads();
 
-        Acc s[NT][4];
+        Acc s[MI][NT][4];
 #pragma unroll
-        for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = Acc(0);
-        Policy::template qk<HD, BLOCK_N, LDQ, LDK>(sQ + 16 * warp * LDQ, sK, s);  // S = Q K^T
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = Acc(0);
+        Policy::template qk<HD, BLOCK_N, LDQ, LDK>(sQ + WARP_M * warp * LDQ, sK, s);  // S = Q K^T
 
-        const bool band = !tile_inside_band(p, hv, i0, i0 + rows_valid, j0, j1);
-        Acc row_max[2] = {neg_inf<Acc>(), neg_inf<Acc>()};
+        Acc row_max[2 * MI];
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+        for (int x = 0; x < 2 * MI; ++x) row_max[x] = neg_inf<Acc>();
+        if (plain && j1 - j0 == BLOCK_N && tile_inside_band(p, hv, i0, i1, j0, j1)) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = r0 + 8 * (e >> 1), j = j0 + 8 * n + 2 * t + (e & 1);
-                // Keys past j1 are zero-filled padding of the tile: masked like any other.
-                s[n][e] = j < j1 ? score(p, hv, s[n][e], i, j, band) : neg_inf<Acc>();
-                row_max[e >> 1] = max_acc(row_max[e >> 1], s[n][e]);
-            }
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[mi][n][e] *= score.scale_log2;  // S = scale * log2(e) * Q K^T
+                        row_max[2 * mi + (e >> 1)] = max_acc(row_max[2 * mi + (e >> 1)], s[mi][n][e]);
+                    }
+        } else {
+            const bool band = !tile_inside_band(p, hv, i0, i1, j0, j1);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int x = 2 * mi + (e >> 1);
+                        const int i = r0 + 8 * x, j = j0 + 8 * n + 2 * t + (e & 1);
+                        // Keys past j1 are zero-filled padding of the tile and rows past q_len are
+                        // discarded: both masked, the latter before any mask or bias read.
+                        if constexpr (FULL) {
+                            s[mi][n][e] = (j < j1 && i < hv.q_len) ? score(p, hv, s[mi][n][e], i, j, band)
+                                                                   : neg_inf<Acc>();
+                        } else {
+                            const bool keep = j < j1 && i < hv.q_len && (!band || in_band(p, hv, i, j));
+                            s[mi][n][e] = keep ? s[mi][n][e] * score.scale_log2 : neg_inf<Acc>();
+                        }
+                        row_max[x] = max_acc(row_max[x], s[mi][n][e]);
+                    }
         }
-        Acc alpha[2], m_safe[2];
+        Acc alpha[2 * MI], m_safe[2 * MI];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {  // the four lanes of a quad share rows: reduce across them
+        for (int r = 0; r < 2 * MI; ++r) {  // the four lanes of a quad share rows: reduce across them
             row_max[r] = max_acc(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
             row_max[r] = max_acc(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
             const Acc m_new = max_acc(m[r], row_max[r]);
@@ -123,36 +174,51 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) flash_fwd(const Params p) {
             l[r] *= alpha[r];
         }
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            bool keep[4] = {true, true, true, true};
-            if (dropout) {
-                const int j = j0 + 8 * n + 2 * t;
-                dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, r0, j, p.dropout_threshold, keep[0], keep[1]);
-                dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, r0 + 8, j, p.dropout_threshold, keep[2], keep[3]);
+        for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                unsigned keep = 0xfu;  // bit e: element e survives dropout
+                if constexpr (FULL) {
+                    if (dropout) {
+                        const int i = r0 + 16 * mi, j = j0 + 8 * n + 2 * t;
+                        bool k0, k1, k2, k3;
+                        dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold, k0, k1);
+                        dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, i + 8, j, p.dropout_threshold, k2, k3);
+                        keep = unsigned(k0) | unsigned(k1) << 1 | unsigned(k2) << 2 | unsigned(k3) << 3;
+                    }
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int x = 2 * mi + (e >> 1);
+                    const Acc pe = fast_exp2(s[mi][n][e] - m_safe[x]);  // P = exp2(S - m)
+                    l[x] += pe;                                          // lse is taken before dropout
+                    s[mi][n][e] = (keep >> e) & 1u ? pe : Acc(0);  // dropped; 1 / (1 - p) is applied once at the end
+                }
             }
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const Acc pe = fast_exp2(s[n][e] - m_safe[e >> 1]);  // P = exp2(S - m)
-                l[e >> 1] += pe;                                      // lse is taken before dropout
-                s[n][e] = keep[e] ? pe : Acc(0);  // dropped; 1 / (1 - p) is applied once at the end
+            for (int n = 0; n < NO; ++n) {
+                o[mi][n][0] *= alpha[2 * mi];
+                o[mi][n][1] *= alpha[2 * mi];
+                o[mi][n][2] *= alpha[2 * mi + 1];
+                o[mi][n][3] *= alpha[2 * mi + 1];
             }
         }
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            o[n][0] *= alpha[0];
-            o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1];
-            o[n][3] *= alpha[1];
+        const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
+        cp_async_wait<0>();  // V_j has landed
+        __syncthreads();     // ... for every thread; and every warp is done reading K_j
+        if (j_next < hi) {
+            load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, min(BLOCK_N, hi - j_next), p.d,
+                                                    aligned);
         }
-        cp_async_wait<0>();
-        __syncthreads();
+        cp_async_commit();
         Policy::template pv<BLOCK_N, DV, LDV>(s, sV, o);  // O += P V
+        j0 = j_next;
     }
     cp_async_wait<0>();  // a block that attended no tile still waits for its Q copy
 
     // Epilogue: O / l (times 1 / (1 - dropout_p)); rows with l = 0 saw no key: 0 and lse -inf.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < 2 * MI; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         const int i = r0 + 8 * r;
@@ -165,7 +231,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) flash_fwd(const Params p) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int col = 8 * n + 2 * t + c;
-                if (col < dv_valid) orow[col] = static_cast<T>(o[n][2 * r + c] * inv);
+                if (col < dv_valid) orow[col] = static_cast<T>(o[r >> 1][n][2 * (r & 1) + c] * inv);
             }
         }
         if (chunk == 0 && t == 0) {

@@ -1,14 +1,16 @@
 // Warp-level products for the attention kernels, one policy per number format.
 //
-// Every policy computes a warp's 16 query rows against a tile of keys and leaves the
-// result in the same register layout, the accumulator layout of mma.sync m16n8:
-// lane = 4 g + t holds, for each 8-column tile n,
-//     acc[n][0] = (row g,     col 8n + 2t)     acc[n][1] = (row g,     col 8n + 2t + 1)
-//     acc[n][2] = (row g + 8, col 8n + 2t)     acc[n][3] = (row g + 8, col 8n + 2t + 1)
+// Every policy computes a warp's 16 MI query rows (MI row groups of 16) against a tile of
+// keys and leaves the result in the same register layout, the accumulator layout of
+// mma.sync m16n8: lane = 4 g + t holds, for row group mi and each 8-column tile n,
+//     acc[mi][n][0] = (row 16 mi + g,     col 8n + 2t)   acc[mi][n][1] = (row 16 mi + g,     col 8n + 2t + 1)
+//     acc[mi][n][2] = (row 16 mi + g + 8, col 8n + 2t)   acc[mi][n][3] = (row 16 mi + g + 8, col 8n + 2t + 1)
 // so masking, the online softmax and the epilogue are written once for all of them.
+// Two row groups per warp (MI = 2) let every K and V fragment read from shared memory
+// feed two products instead of one.
 //
-//   qk: S (16, BN) += Q_w (16, HD) K^T,  Q_w and K (BN, HD) row-major in shared memory
-//   pv: O (16, DV) += P (16, BN) V,      P in registers in the layout above, V (BN, DV) in shared memory
+//   qk: S (16 MI, BN) += Q_w (16 MI, HD) K^T,  Q_w and K (BN, HD) row-major in shared memory
+//   pv: O (16 MI, DV) += P (16 MI, BN) V,      P in registers as above, V (BN, DV) in shared memory
 //
 // MmaF16   float16/bfloat16 on tensor cores: mma.sync m16n8k16 fed by ldmatrix (sm_80+)
 // MmaTf32  float32 on TF32 tensor cores: mma.sync m16n8k8 (sm_80+, allow_tf32)
@@ -42,9 +44,11 @@ __device__ __forceinline__ Acc quad_fetch(const Acc (&tile)[4], int upper, int c
 template <typename T, typename AccT>
 struct Simt {
     using Acc = AccT;
+    static constexpr int MI = 1;
 
     template <int HD, int BN, int LDQ, int LDK>
-    static __device__ __forceinline__ void qk(const T* sQw, const T* sK, Acc (&s)[BN / 8][4]) {
+    static __device__ __forceinline__ void qk(const T* sQw, const T* sK, Acc (&s_)[1][BN / 8][4]) {
+        Acc(&s)[BN / 8][4] = s_[0];
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll 4
         for (int k = 0; k < HD; ++k) {
@@ -63,7 +67,9 @@ struct Simt {
     }
 
     template <int BN, int DV, int LDV>
-    static __device__ __forceinline__ void pv(const Acc (&p)[BN / 8][4], const T* sV, Acc (&o)[DV / 8][4]) {
+    static __device__ __forceinline__ void pv(const Acc (&p_)[1][BN / 8][4], const T* sV, Acc (&o_)[1][DV / 8][4]) {
+        const Acc(&p)[BN / 8][4] = p_[0];
+        Acc(&o)[DV / 8][4] = o_[0];
         const int lane = threadIdx.x & 31, t = lane & 3;
 #pragma unroll
         for (int j = 0; j < BN; ++j) {
@@ -125,45 +131,57 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
-template <typename T>
+template <typename T, int MI_>
 struct MmaF16 {
     using Acc = float;
+    static constexpr int MI = MI_;
 
     template <int HD, int BN, int LDQ, int LDK>
-    static __device__ __forceinline__ void qk(const T* sQw, const T* sK, float (&s)[BN / 8][4]) {
+    static __device__ __forceinline__ void qk(const T* sQw, const T* sK, float (&s)[MI][BN / 8][4]) {
         static_assert(HD % 16 == 0 && BN % 16 == 0, "m16n8k16 tiles");
         const int lane = threadIdx.x & 31;
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
-            u32 a[4];  // Q (16, 16): rows lane % 16, columns 16 kk + 8 (lane / 16)
-            ldmatrix_x4(a, sQw + (lane & 15) * LDQ + 16 * kk + (lane >> 4) * 8);
+            u32 a[MI][4];  // Q (16, 16) per row group: rows lane % 16, columns 16 kk + 8 (lane / 16)
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) ldmatrix_x4(a[mi], sQw + (16 * mi + (lane & 15)) * LDQ + 16 * kk + (lane >> 4) * 8);
 #pragma unroll
             for (int np = 0; np < BN / 16; ++np) {
                 u32 b[4];  // K rows 16 np .. +16: matrices (keys 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
                 ldmatrix_x4(b, sK + (16 * np + (lane & 7) + (lane >> 4) * 8) * LDK + 16 * kk + ((lane >> 3) & 1) * 8);
-                MmaF16Types<T>::mma(s[2 * np], a, b[0], b[1]);
-                MmaF16Types<T>::mma(s[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    MmaF16Types<T>::mma(s[mi][2 * np], a[mi], b[0], b[1]);
+                    MmaF16Types<T>::mma(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+                }
             }
         }
     }
 
     template <int BN, int DV, int LDV>
-    static __device__ __forceinline__ void pv(const float (&p)[BN / 8][4], const T* sV, float (&o)[DV / 8][4]) {
+    static __device__ __forceinline__ void pv(const float (&p)[MI][BN / 8][4], const T* sV, float (&o)[MI][DV / 8][4]) {
         static_assert(DV % 16 == 0 && BN % 16 == 0, "m16n8k16 tiles");
         const int lane = threadIdx.x & 31;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             // Two accumulator tiles of S are exactly one A fragment of P (16, 16): no shuffles.
-            const u32 a[4] = {
-                MmaF16Types<T>::pack(p[2 * kk][0], p[2 * kk][1]), MmaF16Types<T>::pack(p[2 * kk][2], p[2 * kk][3]),
-                MmaF16Types<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                MmaF16Types<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+            u32 a[MI][4];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+                a[mi][0] = MmaF16Types<T>::pack(p[mi][2 * kk][0], p[mi][2 * kk][1]);
+                a[mi][1] = MmaF16Types<T>::pack(p[mi][2 * kk][2], p[mi][2 * kk][3]);
+                a[mi][2] = MmaF16Types<T>::pack(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
+                a[mi][3] = MmaF16Types<T>::pack(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int np = 0; np < DV / 16; ++np) {
                 u32 b[4];  // V^T through ldmatrix.trans: (keys 0-7, d 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15)
                 ldmatrix_x4_trans(b, sV + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * LDV + 16 * np + (lane >> 4) * 8);
-                MmaF16Types<T>::mma(o[2 * np], a, b[0], b[1]);
-                MmaF16Types<T>::mma(o[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    MmaF16Types<T>::mma(o[mi][2 * np], a[mi], b[0], b[1]);
+                    MmaF16Types<T>::mma(o[mi][2 * np + 1], a[mi], b[2], b[3]);
+                }
             }
         }
     }
@@ -184,9 +202,11 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b
 
 struct MmaTf32 {
     using Acc = float;
+    static constexpr int MI = 1;
 
     template <int HD, int BN, int LDQ, int LDK>
-    static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s)[BN / 8][4]) {
+    static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s_)[1][BN / 8][4]) {
+        float(&s)[BN / 8][4] = s_[0];
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll 2
         for (int k8 = 0; k8 < HD / 8; ++k8) {
@@ -202,7 +222,9 @@ struct MmaTf32 {
     }
 
     template <int BN, int DV, int LDV>
-    static __device__ __forceinline__ void pv(const float (&p)[BN / 8][4], const float* sV, float (&o)[DV / 8][4]) {
+    static __device__ __forceinline__ void pv(const float (&p_)[1][BN / 8][4], const float* sV, float (&o_)[1][DV / 8][4]) {
+        const float(&p)[BN / 8][4] = p_[0];
+        float(&o)[DV / 8][4] = o_[0];
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int k8 = 0; k8 < BN / 8; ++k8) {
@@ -225,9 +247,11 @@ __device__ __forceinline__ void mma_f64(double& c0, double& c1, double a, double
 
 struct MmaF64 {
     using Acc = double;
+    static constexpr int MI = 1;
 
     template <int HD, int BN, int LDQ, int LDK>
-    static __device__ __forceinline__ void qk(const double* sQw, const double* sK, double (&s)[BN / 8][4]) {
+    static __device__ __forceinline__ void qk(const double* sQw, const double* sK, double (&s_)[1][BN / 8][4]) {
+        double(&s)[BN / 8][4] = s_[0];
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll 4
         for (int k4 = 0; k4 < HD / 4; ++k4) {
@@ -243,7 +267,10 @@ struct MmaF64 {
     }
 
     template <int BN, int DV, int LDV>
-    static __device__ __forceinline__ void pv(const double (&p)[BN / 8][4], const double* sV, double (&o)[DV / 8][4]) {
+    static __device__ __forceinline__ void pv(const double (&p_)[1][BN / 8][4], const double* sV,
+                                              double (&o_)[1][DV / 8][4]) {
+        const double(&p)[BN / 8][4] = p_[0];
+        double(&o)[DV / 8][4] = o_[0];
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int k4 = 0; k4 < BN / 4; ++k4) {

@@ -88,6 +88,15 @@ __device__ __forceinline__ bool tile_inside_band(const Params& p, const HeadView
     return true;
 }
 
+// Does (i, j) pass causal and window?
+__device__ __forceinline__ bool in_band(const Params& p, const HeadView& hv, int i, int j) {
+    bool keep = true;
+    if (p.causal != kNoCausal) keep &= j <= i + (p.causal == kTopLeft ? 0 : hv.diagonal);
+    if (p.window_left >= 0) keep &= j >= i + hv.diagonal - p.window_left;
+    if (p.window_right >= 0) keep &= j <= i + hv.diagonal + p.window_right;
+    return keep;
+}
+
 // Does some score of tile [i0, i1) x [j0, j1) survive block_mask and mask? Called by every
 // thread of the block (it ends in a barrier); the caller then skips the tile entirely.
 __device__ __forceinline__ bool tile_live(const Params& p, const HeadView& hv, int i0, int i1, int j0, int j1) {
@@ -149,11 +158,10 @@ struct ScoreOp {
         return dtype == kF64 ? 8 : dtype == kF32 ? 4 : 2;
     }
 
-    // The log2-domain score of row i, key j (positions inside the sequence) from raw = q.k.
-    // check_band: the tile crosses a causal/window edge, compare per element.
+    // The log2-domain score of row i < q_len, key j < kv_len (positions inside the sequence)
+    // from raw = q.k. check_band: the tile crosses a causal/window edge, compare per element.
     __device__ __forceinline__ Acc operator()(const Params& p, const HeadView& hv, Acc raw, int i, int j,
                                               bool check_band) const {
-        if (i >= hv.q_len || j >= hv.kv_len) return neg_inf<Acc>();  // padding: masked
         Acc s;
         if (p.has_softcap) {
             s = softcap * tanh_acc(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
@@ -165,12 +173,7 @@ struct ScoreOp {
             const int dist = abs(i + hv.diagonal - j);  // s -= slope * |i + Lk - Lq - j|
             s -= slope_log2 * static_cast<Acc>(dist);
         }
-        bool keep = true;
-        if (check_band) {
-            if (p.causal != kNoCausal) keep &= j <= i + (p.causal == kTopLeft ? 0 : hv.diagonal);
-            if (p.window_left >= 0) keep &= j >= i + hv.diagonal - p.window_left;
-            if (p.window_right >= 0) keep &= j <= i + hv.diagonal + p.window_right;
-        }
+        bool keep = !check_band || in_band(p, hv, i, j);
         if (mask != nullptr) keep &= mask[i * p.mask_si + j * p.mask_sj];
         if (block_mask != nullptr) keep &= block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
         return keep ? s : neg_inf<Acc>();

@@ -33,7 +33,7 @@ __device__ __forceinline__ Philox4 philox4x32_10(u32 c0, u32 c1, u32 c2, u32 c3,
     return {c0, c1, c2, c3};
 }
 
-// Keep bits for columns (j0, j0 + 1) of row i, j0 even: one Philox call serves both,
+// Keep bits for columns (j0, j0 + 1) of row i; j0 must be even: one Philox call serves both,
 // since j0 >> 2 == (j0 + 1) >> 2 and their words are (j0 & 3) and (j0 & 3) + 1.
 __device__ __forceinline__ void dropout_keep_pair(u64 seed, u32 offset, u32 bh, u32 i,
                                                   u32 j0, u32 threshold, bool& keep0, bool& keep1) {

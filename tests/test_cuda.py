@@ -72,6 +72,8 @@ def _case(shape_q, shape_k, dv=None, dtype=F16, data_seed=0, **options) -> Case:
 @example(_case((1, 2, 200, 256), (1, 2, 77, 256), dtype=F64, causal="top_left"))
 @example(_case((2, 1, 300, 80), (2, 1, 300, 80), dtype=F32, window=(17, 3), softcap=4.0))
 @example(_case((3, 2, 64, 128), (3, 2, 64, 128), dv=24, dropout_p=0.3, seed=2**40 + 9, dropout_offset=5))
+@example(_case((1, 1, 1, 1), (1, 1, 17, 1), window=(1, None), scale=0.0, q_lengths=np.array([1]),
+               kv_lengths=np.array([9]), dropout_p=0.17, seed=0))  # regression: first key tile at odd key 7
 def test_forward_matches_reference(case: Case) -> None:
     _check_forward(case)
 

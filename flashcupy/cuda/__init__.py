@@ -18,7 +18,7 @@ from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
 from .compile import forward_function
-from .spec import select_forward
+from .spec import needs_full, select_forward
 
 #: Fill outputs with NaN before each launch (tests set it) so unwritten elements show.
 poison_outputs = False
@@ -67,7 +67,9 @@ def forward(pb: Problem) -> tuple[Any, Any]:
     device_id = pb.q.device.id
     with xp.cuda.Device(device_id):
         arch, smem_limit = device_limits(device_id)
-        spec = select_forward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32)
+        full = needs_full(pb.bias is not None, pb.mask is not None, pb.block_mask is not None,
+                          pb.alibi_slopes is not None, pb.softcap is not None, pb.dropout_p > 0)
+        spec = select_forward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32, full=full)
         q, k, v = (_last_axis_contiguous(x, xp) for x in (pb.q, pb.k, pb.v))
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)

@@ -20,15 +20,21 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 256, 512)
 #: C++ element type per dtype name.
 CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 
-#: Per policy: the C++ policy for an element type, the widest Dv chunk one block keeps
-#: in registers, and (BLOCK_N, NUM_WARPS) candidates in order of preference, the first
-#: that fits the GPU's shared memory wins.
+#: Per policy: the C++ policy for an element type, 16-row groups per warp (the policy's MI),
+#: the widest Dv chunk one block keeps in registers, and (BLOCK_N, NUM_WARPS) candidates
+#: per padded head dim in order of preference: the first that fits the GPU's shared memory wins.
 POLICIES = {
-    "mma16": (lambda t: f"flash::MmaF16<{t}>", 128, ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1))),
-    "tf32": (lambda t: "flash::MmaTf32", 128, ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
-    "dmma": (lambda t: "flash::MmaF64", 64, ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
-    "simt": (lambda t: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 64,
-             ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+    # Two row groups per warp (plain kernels): O (32, DV) and S (32, BLOCK_N) share the
+    # register file, so wide heads take narrow key tiles. The full pipeline keeps one.
+    "mma16": (lambda t: f"flash::MmaF16<{t}, 2>", 2, 128,
+              lambda hd, full: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
+              else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 96 or full
+              else ((16, 4), (16, 2), (16, 1))),
+    "tf32": (lambda t: "flash::MmaTf32", 1, 128, lambda hd, full: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+    # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers.
+    "dmma": (lambda t: "flash::MmaF64", 1, 128, lambda hd, full: ((16, 4), (16, 2), (16, 1), (8, 1))),
+    "simt": (lambda t: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, 64,
+             lambda hd, full: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
 }
 
 #: Environment variable forcing the portable (SIMT) kernels, as on GPUs before sm_80.
@@ -44,11 +50,17 @@ class KernelSpec:
     head_dim: int    # HD: padded QK head dim
     dv_tile: int     # DV: output columns per block
     block_n: int     # keys per tile
-    num_warps: int   # warps per block; BLOCK_M = 16 * num_warps
+    num_warps: int   # warps per block; BLOCK_M = 16 * MI * num_warps
+    full: bool = True  # compiled with bias, ALiBi, softcap, masks and dropout
+
+    @property
+    def rows_per_warp(self) -> int:
+        """16 * MI; the full pipeline's registers leave room for one row group only."""
+        return 16 * (1 if self.full else POLICIES[self.policy][1])
 
     @property
     def block_m(self) -> int:
-        return 16 * self.num_warps
+        return self.rows_per_warp * self.num_warps
 
     @property
     def threads(self) -> int:
@@ -61,8 +73,10 @@ class KernelSpec:
     @property
     def name_expression(self) -> str:
         t = CXX_TYPE[self.dtype]
-        policy = POLICIES[self.policy][0](t)
-        return f"flash::flash_fwd<{t}, {policy}, {self.head_dim}, {self.dv_tile}, {self.block_n}, {self.num_warps}>"
+        policy = POLICIES[self.policy][0](t).replace(", 2>", f", {self.rows_per_warp // 16}>")
+        full = "true" if self.full else "false"
+        return (f"flash::flash_fwd<{t}, {policy}, {self.head_dim}, {self.dv_tile}, {self.block_n}, "
+                f"{self.num_warps}, {full}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -95,25 +109,31 @@ def force_portable() -> bool:
 
 
 def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
-                   portable: bool | None = None) -> KernelSpec:
+                   portable: bool | None = None, full: bool = True) -> KernelSpec:
     """The forward kernel for this problem on a GPU of compute capability ``arch`` (e.g. 90).
 
-    ``smem_limit`` is the device's opt-in shared memory per block in bytes. Raises
+    ``smem_limit`` is the device's opt-in shared memory per block in bytes; ``full``:
+    some option beyond causal, window and lengths is in use (see :func:`needs_full`). Raises
     RuntimeError when no tile shape fits (float64 with D > 256 on 99 KB GPUs).
     """
     portable = force_portable() if portable is None else portable
     policy = policy_for(dtype, arch, allow_tf32, portable)
-    _, dv_cap, candidates = POLICIES[policy]
+    _, _, dv_cap, candidates = POLICIES[policy]
     hd = head_dim_bucket(max(d, dv))
     dv_tile = min(hd, dv_cap)
-    for block_n, warps in candidates:
-        spec = KernelSpec(dtype, policy, hd, dv_tile, block_n, warps)
+    for block_n, warps in candidates(hd, full):
+        spec = KernelSpec(dtype, policy, hd, dv_tile, block_n, warps, full)
         if spec.smem_bytes <= smem_limit:
             return spec
     raise RuntimeError(
         f"no {dtype} kernel for head dims ({d}, {dv}) fits this GPU's {smem_limit // 1024} KiB of shared "
         f"memory per block (it needs {spec.smem_bytes // 1024} KiB); use backend='cpu'"
     )
+
+
+def needs_full(bias: bool, mask: bool, block_mask: bool, alibi: bool, softcap: bool, dropout: bool) -> bool:
+    """Whether a call needs the full score pipeline (anything beyond causal, window, lengths)."""
+    return bias or mask or block_mask or alibi or softcap or dropout
 
 
 #: Opt-in shared memory per block (bytes) of each architecture CI compiles for.
@@ -128,8 +148,10 @@ def all_forward_specs(arch: int) -> list[KernelSpec]:
             for dv in {bucket, 1}:
                 for allow_tf32 in (False, True):
                     for portable in (False, True):
-                        try:
-                            specs.add(select_forward(dtype, bucket, dv, arch, ARCH_SMEM[arch], allow_tf32, portable))
-                        except RuntimeError:
-                            pass
+                        for full in (False, True):
+                            try:
+                                specs.add(select_forward(dtype, bucket, dv, arch, ARCH_SMEM[arch], allow_tf32,
+                                                         portable, full))
+                            except RuntimeError:
+                                pass
     return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_n, s.num_warps))
