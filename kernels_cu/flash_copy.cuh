@@ -3,9 +3,10 @@
 // A tile is ROWS rows of COLS elements (COLS = the kernel's padded head dim) stored
 // with a row pitch of LD elements. Rows >= valid_rows and columns >= valid_cols are
 // zero-filled, so padded head dims and partial tiles contribute exact zeros to every
-// product. With 16-byte aligned rows (the host checks pointers, strides and the head
-// dim) chunks go through cp.async (sm_80+, asynchronous, zero-fill by src-size 0) or
-// 16-byte loads; otherwise element by element.
+// product. The host guarantees 16-byte aligned rows (pointers, strides and stored head
+// dims; misaligned inputs are copied once into padded buffers), so every chunk of 16
+// bytes is either all valid or all padding and goes through cp.async (sm_80+,
+// asynchronous, zero-fill by src-size 0) or a 16-byte load.
 #pragma once
 
 #include "flash_params.cuh"
@@ -39,23 +40,15 @@ __device__ __forceinline__ void cp_async_wait() {
 // Copy rows [0, ROWS) of a (rows, cols) global matrix with row stride `stride` (elements)
 // into shared memory, zero-filling outside (valid_rows, valid_cols). All threads call it.
 template <typename T, int ROWS, int COLS, int LD, int THREADS>
-__device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols,
-                                          bool aligned) {
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols) {
     constexpr int VEC = 16 / sizeof(T);
     constexpr int CHUNKS = COLS / VEC;
     static_assert(COLS % VEC == 0, "tile width is a whole number of 16-byte chunks");
-    if (aligned) {  // valid_cols is a multiple of VEC: every chunk is all valid or all padding
 #pragma unroll 4
-        for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-            const int r = c / CHUNKS, col = (c % CHUNKS) * VEC;
-            const bool valid = r < valid_rows && col < valid_cols;
-            cp_async_16(smem + r * LD + col, valid ? gmem + r * stride + col : gmem, valid);
-        }
-    } else {
-        for (int e = threadIdx.x; e < ROWS * COLS; e += THREADS) {
-            const int r = e / COLS, col = e % COLS;
-            smem[r * LD + col] = (r < valid_rows && col < valid_cols) ? gmem[r * stride + col] : T(0.0f);
-        }
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * VEC;
+        const bool valid = r < valid_rows && col < valid_cols;
+        cp_async_16(smem + r * LD + col, valid ? gmem + r * stride + col : gmem, valid);
     }
 }
 

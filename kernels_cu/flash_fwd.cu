@@ -55,7 +55,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int m_blocks = (p.lq + BLOCK_M - 1) / BLOCK_M;
     const int chunk = blockIdx.x / m_blocks;
-    const int i0 = (blockIdx.x - chunk * m_blocks) * BLOCK_M;
+    // Last row blocks first: under causal masking they attend the most keys, so the
+    // longest blocks start earliest and the tail of the launch is short.
+    const int i0 = (m_blocks - 1 - (blockIdx.x - chunk * m_blocks)) * BLOCK_M;
     const int dv0 = chunk * DV;  // first output column of this block
     const int bh = blockIdx.y + gridDim.y * blockIdx.z;
     if (bh >= p.batch * p.hq) return;
@@ -76,13 +78,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     const T* gV = static_cast<const T*>(p.v) + v_off;
     T* gO = static_cast<T*>(p.o) + o_off;
     Acc* gLse = static_cast<Acc*>(p.lse) + lse_off;
-    const int dv_valid = min(DV, p.dv - dv0);
+    const int dv_valid = min(DV, p.dv - dv0);         // output columns this block writes
+    const int dv_load = min(DV, p.dv_stored - dv0);   // stored columns of v it reads
 
     const int rows_valid = max(0, min(BLOCK_M, hv.q_len - i0));  // rows of this tile inside q_len
     int lo = 0, hi = 0;
     if (rows_valid > 0) key_range(p, hv, i0, i0 + rows_valid, lo, hi);
 
-    const bool aligned = p.aligned != 0;
     const ScoreOp<Acc> score(p, hv);
     // No option touches the scores: interior tiles only need S * scale * log2(e).
     const bool plain = !FULL || (!p.has_softcap && score.bias == nullptr && p.alibi == nullptr
@@ -105,17 +107,17 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
 
     // Pipeline (FA2): V_j streams in while S_j = Q K_j^T and its softmax are computed, and
     // K_next streams in while O += P_j V_j; one buffer each, two barriers per tile.
-    load_tile<T, BLOCK_M, HD, LDQ, THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, rows_valid, p.d, aligned);
+    load_tile<T, BLOCK_M, HD, LDQ, THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, rows_valid, p.d);
     // Key tiles start at multiples of BLOCK_N (keys before lo are masked by the band test):
     // dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned.
     int j0 = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, lo - lo % BLOCK_N, hi);
-    if (j0 < hi) load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, min(BLOCK_N, hi - j0), p.d, aligned);
+    if (j0 < hi) load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, min(BLOCK_N, hi - j0), p.d);
     cp_async_commit();
     while (j0 < hi) {
         const int j1 = min(j0 + BLOCK_N, hi);
         cp_async_wait<0>();  // Q and K_j have landed
         __syncthreads();     // ... for every thread; and every warp is done with V of the last tile
-        load_tile<T, BLOCK_N, DV, LDV, THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_valid, aligned);
+        load_tile<T, BLOCK_N, DV, LDV, THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_load);
         cp_async_commit();
 
         Acc s[MI][NT][4];
@@ -203,15 +205,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
                 o[mi][n][3] *= alpha[2 * mi + 1];
             }
         }
+        typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
+        Policy::template pack_p<BLOCK_N>(s, pf);
         const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
         cp_async_wait<0>();  // V_j has landed
         __syncthreads();     // ... for every thread; and every warp is done reading K_j
         if (j_next < hi) {
-            load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, min(BLOCK_N, hi - j_next), p.d,
-                                                    aligned);
+            load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, min(BLOCK_N, hi - j_next), p.d);
         }
         cp_async_commit();
-        Policy::template pv<BLOCK_N, DV, LDV>(s, sV, o);  // O += P V
+        Policy::template pv<BLOCK_N, DV, LDV>(pf, sV, o);  // O += P V
         j0 = j_next;
     }
     cp_async_wait<0>();  // a block that attended no tile still waits for its Q copy

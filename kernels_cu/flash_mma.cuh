@@ -10,7 +10,9 @@
 // feed two products instead of one.
 //
 //   qk: S (16 MI, BN) += Q_w (16 MI, HD) K^T,  Q_w and K (BN, HD) row-major in shared memory
-//   pv: O (16 MI, DV) += P (16 MI, BN) V,      P in registers as above, V (BN, DV) in shared memory
+//   pack_p: P (the softmax numerators, in the layout above) -> the policy's A operand PFrag
+//   pv: O (16 MI, DV) += P (16 MI, BN) V,      P as PFrag, V (BN, DV) in shared memory
+// Packing happens before the block's barrier, so only the (narrower) PFrag stays live.
 //
 // MmaF16   float16/bfloat16 on tensor cores: mma.sync m16n8k16 fed by ldmatrix (sm_80+)
 // MmaTf32  float32 on TF32 tensor cores: mma.sync m16n8k8 (sm_80+, allow_tf32)
@@ -45,6 +47,15 @@ template <typename T, typename AccT>
 struct Simt {
     using Acc = AccT;
     static constexpr int MI = 1;
+
+    template <int BN> using PFrag = Acc[1][BN / 8][4];
+    template <int BN>
+    static __device__ __forceinline__ void pack_p(const Acc (&s)[1][BN / 8][4], Acc (&pf)[1][BN / 8][4]) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pf[0][n][e] = s[0][n][e];
+    }
 
     template <int HD, int BN, int LDQ, int LDK>
     static __device__ __forceinline__ void qk(const T* sQw, const T* sK, Acc (&s_)[1][BN / 8][4]) {
@@ -140,7 +151,10 @@ struct MmaF16 {
     static __device__ __forceinline__ void qk(const T* sQw, const T* sK, float (&s)[MI][BN / 8][4]) {
         static_assert(HD % 16 == 0 && BN % 16 == 0, "m16n8k16 tiles");
         const int lane = threadIdx.x & 31;
-#pragma unroll
+        // Wide heads: two k-steps per iteration, enough independent MMAs to hide ldmatrix
+        // latency without the full unroll's hoisted fragments, which spill beside a 32-row O.
+        constexpr int UNROLL = HD <= 64 ? HD / 16 : 2;
+#pragma unroll UNROLL
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 a[MI][4];  // Q (16, 16) per row group: rows lane % 16, columns 16 kk + 8 (lane / 16)
 #pragma unroll
@@ -158,29 +172,35 @@ struct MmaF16 {
         }
     }
 
+    // Two accumulator tiles of S are exactly one A fragment of P (16, 16): no shuffles.
+    template <int BN> using PFrag = u32[MI][BN / 16][4];
+    template <int BN>
+    static __device__ __forceinline__ void pack_p(const float (&p)[MI][BN / 8][4], u32 (&a)[MI][BN / 16][4]) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                a[mi][kk][0] = MmaF16Types<T>::pack(p[mi][2 * kk][0], p[mi][2 * kk][1]);
+                a[mi][kk][1] = MmaF16Types<T>::pack(p[mi][2 * kk][2], p[mi][2 * kk][3]);
+                a[mi][kk][2] = MmaF16Types<T>::pack(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
+                a[mi][kk][3] = MmaF16Types<T>::pack(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
+            }
+    }
+
     template <int BN, int DV, int LDV>
-    static __device__ __forceinline__ void pv(const float (&p)[MI][BN / 8][4], const T* sV, float (&o)[MI][DV / 8][4]) {
+    static __device__ __forceinline__ void pv(const u32 (&a)[MI][BN / 16][4], const T* sV, float (&o)[MI][DV / 8][4]) {
         static_assert(DV % 16 == 0 && BN % 16 == 0, "m16n8k16 tiles");
         const int lane = threadIdx.x & 31;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            // Two accumulator tiles of S are exactly one A fragment of P (16, 16): no shuffles.
-            u32 a[MI][4];
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-                a[mi][0] = MmaF16Types<T>::pack(p[mi][2 * kk][0], p[mi][2 * kk][1]);
-                a[mi][1] = MmaF16Types<T>::pack(p[mi][2 * kk][2], p[mi][2 * kk][3]);
-                a[mi][2] = MmaF16Types<T>::pack(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
-                a[mi][3] = MmaF16Types<T>::pack(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
-            }
 #pragma unroll
             for (int np = 0; np < DV / 16; ++np) {
                 u32 b[4];  // V^T through ldmatrix.trans: (keys 0-7, d 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15)
                 ldmatrix_x4_trans(b, sV + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * LDV + 16 * np + (lane >> 4) * 8);
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
-                    MmaF16Types<T>::mma(o[mi][2 * np], a[mi], b[0], b[1]);
-                    MmaF16Types<T>::mma(o[mi][2 * np + 1], a[mi], b[2], b[3]);
+                    MmaF16Types<T>::mma(o[mi][2 * np], a[mi][kk], b[0], b[1]);
+                    MmaF16Types<T>::mma(o[mi][2 * np + 1], a[mi][kk], b[2], b[3]);
                 }
             }
         }
@@ -203,6 +223,15 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b
 struct MmaTf32 {
     using Acc = float;
     static constexpr int MI = 1;
+
+    template <int BN> using PFrag = Acc[1][BN / 8][4];
+    template <int BN>
+    static __device__ __forceinline__ void pack_p(const Acc (&s)[1][BN / 8][4], Acc (&pf)[1][BN / 8][4]) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pf[0][n][e] = s[0][n][e];
+    }
 
     template <int HD, int BN, int LDQ, int LDK>
     static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s_)[1][BN / 8][4]) {
@@ -248,6 +277,15 @@ __device__ __forceinline__ void mma_f64(double& c0, double& c1, double a, double
 struct MmaF64 {
     using Acc = double;
     static constexpr int MI = 1;
+
+    template <int BN> using PFrag = Acc[1][BN / 8][4];
+    template <int BN>
+    static __device__ __forceinline__ void pack_p(const Acc (&s)[1][BN / 8][4], Acc (&pf)[1][BN / 8][4]) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pf[0][n][e] = s[0][n][e];
+    }
 
     template <int HD, int BN, int LDQ, int LDK>
     static __device__ __forceinline__ void qk(const double* sQw, const double* sK, double (&s_)[1][BN / 8][4]) {

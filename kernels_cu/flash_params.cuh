@@ -51,7 +51,7 @@ struct Params {
     // ---- 4-byte fields
     i32 batch, hq, hk;     // hq % hk == 0
     i32 lq, lk;            // frame lengths (longest sequence when packed)
-    i32 d, dv;             // true head dims (the kernel's tiles may be wider)
+    i32 d, dv;             // d: q and k's stored head dim (16-byte padded); dv: out's head dim
     i32 causal;            // Causal
     i32 window_left, window_right;  // < 0: unbounded
     i32 block_size;        // block_mask granularity
@@ -59,7 +59,7 @@ struct Params {
     u32 dropout_threshold;  // keep iff Philox word >= threshold; 0 = no dropout
     u32 dropout_offset;
     i32 has_softcap;
-    i32 aligned;           // 1: q, k, v pointers, row strides and head dims are 16-byte multiples
+    i32 dv_stored;         // v's last-axis length in memory (dv padded to 16 bytes)
 };
 
 #ifdef FLASH_PARAMS_SIZE

@@ -46,14 +46,21 @@ def _last_axis_contiguous(x, xp):
     return x if x.shape[-1] <= 1 or x.strides[-1] == x.itemsize else xp.ascontiguousarray(x)
 
 
-def _aligned(*arrays) -> bool:
-    """16-byte aligned base pointers, strides and row lengths: tiles may use 16-byte copies."""
-    for x in arrays:
-        if x.data.ptr % 16 or (x.shape[-1] * x.itemsize) % 16:
-            return False
-        if any(s % 16 for n, s in zip(x.shape[:-1], x.strides[:-1]) if n > 1):
-            return False
-    return True
+def _aligned(x) -> bool:
+    """16-byte aligned base pointer, strides and row length: tiles use 16-byte copies."""
+    if x.data.ptr % 16 or (x.shape[-1] * x.itemsize) % 16:
+        return False
+    return not any(s % 16 for n, s in zip(x.shape[:-1], x.strides[:-1]) if n > 1)
+
+
+def _aligned_rows(x, xp):
+    """``x`` itself when aligned, else one copy with the last axis zero-padded to 16 bytes."""
+    if _aligned(x):
+        return x
+    vec = 16 // x.itemsize
+    padded = xp.zeros(x.shape[:-1] + (-(-x.shape[-1] // vec) * vec,), dtype=x.dtype)
+    padded[..., : x.shape[-1]] = x
+    return padded
 
 
 def _empty(shape, dtype, xp):
@@ -70,7 +77,7 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         full = needs_full(pb.bias is not None, pb.mask is not None, pb.block_mask is not None,
                           pb.alibi_slopes is not None, pb.softcap is not None, pb.dropout_p > 0)
         spec = select_forward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32, full=full)
-        q, k, v = (_last_axis_contiguous(x, xp) for x in (pb.q, pb.k, pb.v))
+        q, k, v = (_aligned_rows(_last_axis_contiguous(x, xp), xp) for x in (pb.q, pb.k, pb.v))
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
         fields: dict[str, Any] = {}
@@ -112,14 +119,14 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         params = P.pack(
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
             batch=batch, hq=pb.num_heads_q, hk=pb.num_heads_k, lq=pb.seqlen_q, lk=pb.seqlen_k,
-            d=pb.head_dim, dv=pb.head_dim_v, causal=P.CAUSAL_CODE[pb.causal],
+            d=q.shape[-1], dv=pb.head_dim_v, dv_stored=v.shape[-1], causal=P.CAUSAL_CODE[pb.causal],
             window_left=-1 if left is None else min(left, 2**31 - 1),
             window_right=-1 if right is None else min(right, 2**31 - 1),
             block_size=pb.block_size or 1, seed=pb.seed or 0, scale=pb.scale,
             softcap=pb.softcap or 0.0, has_softcap=int(pb.softcap is not None),
             dropout_threshold=rng.dropout_threshold(pb.dropout_p) if pb.dropout_p > 0 else 0,
             dropout_offset=pb.dropout_offset, dropout_scale=1.0 / (1.0 - pb.dropout_p),
-            aligned=int(_aligned(q, k, v)), **fields,
+            **fields,
         )
         bh = batch * pb.num_heads_q
         m_blocks = -(-pb.seqlen_q // spec.block_m)

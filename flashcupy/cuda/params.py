@@ -20,7 +20,7 @@ _STRIDES = ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_s
 _INT32 = ("batch", "hq", "hk", "lq", "lk", "d", "dv", "causal", "window_left", "window_right", "block_size",
           "bias_dtype")
 _UINT32 = ("dropout_threshold", "dropout_offset")
-_TAIL = ("has_softcap", "aligned")
+_TAIL = ("has_softcap", "dv_stored")
 
 PARAMS_DTYPE = np.dtype(
     [(n, np.uint64) for n in _POINTERS]

@@ -28,11 +28,13 @@ POLICIES = {
     # register file, so wide heads take narrow key tiles. The full pipeline keeps one.
     "mma16": (lambda t: f"flash::MmaF16<{t}, 2>", 2, 128,
               lambda hd, full: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
-              else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 96 or full
+              else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 128 or full
               else ((16, 4), (16, 2), (16, 1))),
     "tf32": (lambda t: "flash::MmaTf32", 1, 128, lambda hd, full: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
     # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers.
-    "dmma": (lambda t: "flash::MmaF64", 1, 128, lambda hd, full: ((16, 4), (16, 2), (16, 1), (8, 1))),
+    "dmma": (lambda t: "flash::MmaF64", 1, 128,
+             lambda hd, full: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64
+             else ((16, 4), (16, 2), (16, 1), (8, 1))),
     "simt": (lambda t: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, 64,
              lambda hd, full: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
 }
