@@ -10,7 +10,8 @@
 //
 // Template parameters: T the element type, Policy the warp product (flash_mma.cuh),
 // HD the padded QK head dim, DV the width of the Dv chunk this block computes, BLOCK_N
-// keys per tile, NUM_WARPS warps of 16 Policy::MI rows each (BLOCK_M = 16 MI NUM_WARPS).
+// keys per tile, NUM_WARPS warps of 16 Policy::MI rows each (BLOCK_M = 16 MI NUM_WARPS),
+// STAGES shared-memory stages of K and V (see the pipeline below).
 // FULL compiles the whole score pipeline (bias, ALiBi, softcap, masks, block mask) and
 // dropout; without it only causal, window and lengths remain, which frees the registers
 // that let a warp own two row groups.
@@ -33,7 +34,16 @@ __device__ __forceinline__ int next_live_tile(const Params& p, const HeadView& h
     return j;
 }
 
-template <typename T, typename Policy, int HD, int DV, int BLOCK_N, int NUM_WARPS, bool FULL>
+// Copies of key tile [j, j + BLOCK_N) of K and V (rows past hi zero-filled) into one stage.
+template <typename T, int BLOCK_N, int HD, int DV, int LDK, int LDV, int THREADS>
+__device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const T* gK, const T* gV, const Params& p, int j, int hi,
+                                             int dv_load) {
+    const int rows = min(BLOCK_N, hi - j);
+    load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j * p.k_sr, p.k_sr, rows, p.d);
+    load_tile<T, BLOCK_N, DV, LDV, THREADS>(sV, gV + j * p.v_sr, p.v_sr, rows, dv_load);
+}
+
+template <typename T, typename Policy, int HD, int DV, int BLOCK_N, int NUM_WARPS, bool FULL, int STAGES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     using Acc = typename Policy::Acc;
     constexpr int THREADS = NUM_WARPS * 32;
@@ -47,8 +57,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);  // (BLOCK_M, HD)
-    T* sK = sQ + BLOCK_M * LDQ;          // (BLOCK_N, HD)
-    T* sV = sK + BLOCK_N * LDK;          // (BLOCK_N, DV)
+    static_assert(STAGES == 1 || STAGES == 2, "one or two shared-memory stages");
+    T* sK = sQ + BLOCK_M * LDQ;          // STAGES x (BLOCK_N, HD)
+    T* sV = sK + STAGES * BLOCK_N * LDK; // STAGES x (BLOCK_N, DV)
 
     // Grid: x = (Dv chunk, row block) with row blocks fastest, so consecutive blocks share
     // K and V in L2; batch x heads is split over y and z (gridDim.y is at most 65535).
@@ -105,27 +116,49 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     const bool dropout = FULL && p.dropout_threshold != 0;
     const int i1 = i0 + rows_valid;
 
-    // Pipeline (FA2): V_j streams in while S_j = Q K_j^T and its softmax are computed, and
-    // K_next streams in while O += P_j V_j; one buffer each, two barriers per tile.
+    // Pipeline, STAGES = 2: while key tile j is computed from one shared-memory stage, the
+    // copies of the next live tile land in the other, and a stage is refilled with the tile
+    // after that as soon as every warp is done with it, so each copy hides behind a whole
+    // tile of compute; one cp.async group per tile (possibly empty).
+    // STAGES = 1 (FA2's, for wide heads where a second stage costs occupancy): V_j streams
+    // in while S_j = Q K_j^T and its softmax are computed, K_next while O += P_j V_j.
     load_tile<T, BLOCK_M, HD, LDQ, THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, rows_valid, p.d);
     // Key tiles start at multiples of BLOCK_N (keys before lo are masked by the band test):
     // dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned.
     int j0 = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, lo - lo % BLOCK_N, hi);
-    if (j0 < hi) load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, min(BLOCK_N, hi - j0), p.d);
+    int j_pre = hi;  // STAGES = 2: the tile in flight to the other stage
+    if constexpr (STAGES == 2) {
+        if (j0 < hi) load_kv_tile<T, BLOCK_N, HD, DV, LDK, LDV, THREADS>(sK, sV, gK, gV, p, j0, hi, dv_load);
+        cp_async_commit();  // Q and the first tile
+        if (j0 < hi) j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
+        if (j_pre < hi)
+            load_kv_tile<T, BLOCK_N, HD, DV, LDK, LDV, THREADS>(sK + BLOCK_N * LDK, sV + BLOCK_N * LDV, gK, gV, p, j_pre,
+                                                                hi, dv_load);
+    } else if (j0 < hi) {
+        load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, min(BLOCK_N, hi - j0), p.d);
+    }
     cp_async_commit();
+    int stage = 0;
     while (j0 < hi) {
         const int j1 = min(j0 + BLOCK_N, hi);
-        cp_async_wait<0>();  // Q and K_j have landed
-        __syncthreads();     // ... for every thread; and every warp is done with V of the last tile
-        load_tile<T, BLOCK_N, DV, LDV, THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_load);
-        cp_async_commit();
+        const T* sKs = sK + stage * BLOCK_N * LDK;
+        const T* sVs = sV + stage * BLOCK_N * LDV;
+        if constexpr (STAGES == 2) {
+            cp_async_wait<1>();  // every group but the newest has landed: Q and tile j0
+            __syncthreads();     // ... for every thread
+        } else {
+            cp_async_wait<0>();  // Q and K_j have landed
+            __syncthreads();     // ... for every thread; and every warp is done with V of the last tile
+            load_tile<T, BLOCK_N, DV, LDV, THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_load);
+            cp_async_commit();
+        }
 
         Acc s[MI][NT][4];
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int n = 0; n < NT; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = Acc(0);
-        Policy::template qk<HD, BLOCK_N, LDQ, LDK>(sQ + WARP_M * warp * LDQ, sK, s);  // S = Q K^T
+        Policy::template qk<HD, BLOCK_N, LDQ, LDK>(sQ + WARP_M * warp * LDQ, sKs, s);  // S = Q K^T
 
         Acc row_max[2 * MI];
 #pragma unroll
@@ -207,15 +240,30 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
         }
         typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
         Policy::template pack_p<BLOCK_N>(s, pf);
-        const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
-        cp_async_wait<0>();  // V_j has landed
-        __syncthreads();     // ... for every thread; and every warp is done reading K_j
-        if (j_next < hi) {
-            load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, min(BLOCK_N, hi - j_next), p.d);
+        if constexpr (STAGES == 2) {
+            Policy::template pv<BLOCK_N, DV, LDV>(pf, sVs, o);  // O += P V
+            __syncthreads();  // every warp is done with this stage: refill it
+            const int j_next = j_pre;
+            if (j_pre < hi) {
+                j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j_pre + BLOCK_N, hi);
+                if (j_pre < hi)
+                    load_kv_tile<T, BLOCK_N, HD, DV, LDK, LDV, THREADS>(sK + stage * BLOCK_N * LDK,
+                                                                        sV + stage * BLOCK_N * LDV, gK, gV, p, j_pre,
+                                                                        hi, dv_load);
+            }
+            cp_async_commit();
+            j0 = j_next;
+            stage ^= 1;
+        } else {
+            const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
+            cp_async_wait<0>();  // V_j has landed
+            __syncthreads();     // ... for every thread; and every warp is done reading K_j
+            if (j_next < hi)
+                load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, min(BLOCK_N, hi - j_next), p.d);
+            cp_async_commit();
+            Policy::template pv<BLOCK_N, DV, LDV>(pf, sVs, o);  // O += P V
+            j0 = j_next;
         }
-        cp_async_commit();
-        Policy::template pv<BLOCK_N, DV, LDV>(pf, sV, o);  // O += P V
-        j0 = j_next;
     }
     cp_async_wait<0>();  // a block that attended no tile still waits for its Q copy
 

@@ -54,6 +54,7 @@ class KernelSpec:
     block_n: int     # keys per tile
     num_warps: int   # warps per block; BLOCK_M = 16 * MI * num_warps
     full: bool = True  # compiled with bias, ALiBi, softcap, masks and dropout
+    stages: int = 1    # shared-memory stages of K and V
 
     @property
     def rows_per_warp(self) -> int:
@@ -78,13 +79,15 @@ class KernelSpec:
         policy = POLICIES[self.policy][0](t).replace(", 2>", f", {self.rows_per_warp // 16}>")
         full = "true" if self.full else "false"
         return (f"flash::flash_fwd<{t}, {policy}, {self.head_dim}, {self.dv_tile}, {self.block_n}, "
-                f"{self.num_warps}, {full}>")
+                f"{self.num_warps}, {full}, {self.stages}>")
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: Q (BLOCK_M, HD), K (BLOCK_N, HD), V (BLOCK_N, DV), rows padded by 16 bytes."""
+        """Dynamic shared memory: Q (BLOCK_M, HD) and ``stages`` of K (BLOCK_N, HD) and V
+        (BLOCK_N, DV), rows padded by 16 bytes."""
         pad = 16 // self.itemsize
-        elems = (self.block_m + self.block_n) * (self.head_dim + pad) + self.block_n * (self.dv_tile + pad)
+        kv = self.stages * self.block_n
+        elems = (self.block_m + kv) * (self.head_dim + pad) + kv * (self.dv_tile + pad)
         return elems * self.itemsize
 
 
@@ -124,7 +127,9 @@ def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allo
     hd = head_dim_bucket(max(d, dv))
     dv_tile = min(hd, dv_cap)
     for block_n, warps in candidates(hd, full):
-        spec = KernelSpec(dtype, policy, hd, dv_tile, block_n, warps, full)
+        # A second K/V stage hides copies behind a whole tile of compute; wider heads would
+        # pay for it in blocks per SM (measured on the H200: see bench/NOTES.md).
+        spec = KernelSpec(dtype, policy, hd, dv_tile, block_n, warps, full, 2 if hd <= 64 else 1)
         if spec.smem_bytes <= smem_limit:
             return spec
     raise RuntimeError(
