@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
+import os
 import threading
 from importlib import resources
 from pathlib import Path
@@ -50,10 +52,34 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Folders with the CUDA runtime headers (cuda_fp16.h, ...) that CuPy may not add itself:
+    the pip wheel nvidia-cuda-runtime-cu12's include/ and $CUDA_PATH/include."""
+    candidates = []
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:  # a namespace package in recent wheels: no __init__.py, origin None
+        locations = list(spec.submodule_search_locations or [])
+        if spec.origin:
+            locations.append(str(Path(spec.origin).parent))
+        candidates += [Path(loc) / "include" for loc in locations]
+    if os.environ.get("CUDA_PATH"):
+        candidates.append(Path(os.environ["CUDA_PATH"]) / "include")
+    found: list[str] = []
+    for folder in candidates:
+        if (folder / "cuda_fp16.h").is_file() and str(folder) not in found:
+            found.append(str(folder))
+    return tuple(found)
+
+
 def compile_options() -> tuple[str, ...]:
     return (
         "-std=c++17",
         f"-I{kernel_dir()}",
+        *(f"-I{d}" for d in cuda_include_dirs()),
         f"-DFLASH_PARAMS_SIZE={PARAMS_DTYPE.itemsize}",
         f"-DFLASH_SOURCE_HASH={source_hash()}",
     )
