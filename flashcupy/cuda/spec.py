@@ -21,22 +21,26 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 256, 512)
 CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 
 #: Per policy: the C++ policy for an element type, 16-row groups per warp (the policy's MI),
-#: the widest Dv chunk one block keeps in registers, and (BLOCK_N, NUM_WARPS) candidates
-#: per padded head dim in order of preference: the first that fits the GPU's shared memory wins.
+#: the widest Dv chunk one block keeps in registers, and (BLOCK_N, NUM_WARPS) candidates for
+#: (padded head dim, full pipeline, compute capability) in order of preference: the first
+#: that fits the GPU's shared memory wins. Every choice compiles without register spills
+#: (tests/test_kernels_compile.py checks each architecture).
 POLICIES = {
     # Two row groups per warp (plain kernels): O (32, DV) and S (32, BLOCK_N) share the
-    # register file, so wide heads take narrow key tiles. The full pipeline keeps one.
+    # register file, so wide heads take narrow key tiles (32 keys at D=128 fits sm_90's
+    # allocation, not sm_8x's). The full pipeline keeps one row group.
     "mma16": (lambda t: f"flash::MmaF16<{t}, 2>", 2, 128,
-              lambda hd, full: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
-              else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 128 or full
+              lambda hd, full, arch: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
+              else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 96 or full or (hd <= 128 and arch >= 90)
               else ((16, 4), (16, 2), (16, 1))),
-    "tf32": (lambda t: "flash::MmaTf32", 1, 128, lambda hd, full: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
-    # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers.
+    "tf32": (lambda t: "flash::MmaTf32", 1, 128, lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+    # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers;
+    # the plain kernel at D <= 64 affords 32.
     "dmma": (lambda t: "flash::MmaF64", 1, 128,
-             lambda hd, full: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64
+             lambda hd, full, arch: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64 and not full
              else ((16, 4), (16, 2), (16, 1), (8, 1))),
     "simt": (lambda t: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, 64,
-             lambda hd, full: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+             lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
 }
 
 #: Environment variable forcing the portable (SIMT) kernels, as on GPUs before sm_80.
@@ -126,7 +130,7 @@ def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allo
     _, _, dv_cap, candidates = POLICIES[policy]
     hd = head_dim_bucket(max(d, dv))
     dv_tile = min(hd, dv_cap)
-    for block_n, warps in candidates(hd, full):
+    for block_n, warps in candidates(hd, full, arch):
         # A second K/V stage hides copies behind a whole tile of compute; wider heads would
         # pay for it in blocks per SM (measured on the H200: see bench/NOTES.md).
         spec = KernelSpec(dtype, policy, hd, dv_tile, block_n, warps, full, 2 if hd <= 64 else 1)
