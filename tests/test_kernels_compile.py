@@ -28,13 +28,13 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import ctypes.util
-import importlib.util
 import os
 import re
 import warnings
-from pathlib import Path
 
 import pytest
+
+from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs
 
 ARCHS = (75, 80, 86, 89, 90)
 TENSOR_CORE_POLICIES = ("mma16", "tf32", "dmma")
@@ -53,28 +53,6 @@ def _unavailable(reason: str):
     if os.environ.get(REQUIRE_ENV, "0") == "1":
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1 requires the NVRTC compile check; pip install '.[nvrtc]')")
     pytest.skip(f"{reason}; pip install '.[nvrtc]' to compile the kernels without a GPU")
-
-
-def cuda_include_dirs() -> tuple[str, ...]:
-    """Folders holding the CUDA runtime headers (cuda_fp16.h, cuda_bf16.h, ...)."""
-    candidates = []
-    try:
-        spec = importlib.util.find_spec("nvidia.cuda_runtime")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
-        # a namespace package in recent wheels (no __init__.py, origin None)
-        locations = list(spec.submodule_search_locations or [])
-        if spec.origin:
-            locations.append(str(Path(spec.origin).parent))
-        candidates += [Path(loc) / "include" for loc in locations]
-    if os.environ.get("CUDA_PATH"):
-        candidates.append(Path(os.environ["CUDA_PATH"]) / "include")
-    dirs = []
-    for folder in candidates:
-        if (folder / "cuda_fp16.h").is_file() and str(folder) not in dirs:
-            dirs.append(str(folder))
-    return tuple(dirs)
 
 
 def nvrtc_problem() -> str | None:
@@ -182,7 +160,6 @@ def compiled(request):
     problem = nvrtc_problem()
     if problem is not None:
         _unavailable(problem)
-    from flashcupy.cuda.compile import compile_for_arch
     from flashcupy.cuda.spec import all_forward_specs
 
     wanted = sorted(
@@ -190,11 +167,9 @@ def compiled(request):
          if item.module is request.module and hasattr(item, "callspec") and "arch" in item.callspec.params},
         key=lambda a: -len(all_forward_specs(a)),  # largest first: the two workers finish together
     )
-    include_dirs = cuda_include_dirs()
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(MAX_WORKERS, len(wanted) or 1)) as pool:
         futures = {
-            arch: pool.submit(compile_for_arch, "forward", [s.name_expression for s in all_forward_specs(arch)],
-                              arch, include_dirs)
+            arch: pool.submit(compile_for_arch, "forward", [s.name_expression for s in all_forward_specs(arch)], arch)
             for arch in wanted
         }
         yield futures
@@ -212,9 +187,7 @@ def test_forward_kernels_compile_without_spills(compiled, arch):
     if arch in compiled:
         log = compiled[arch].result()  # KernelCompileError carries NVRTC's log
     else:  # not among the items the fixture saw (another plugin's selection): compile here
-        from flashcupy.cuda.compile import compile_for_arch
-
-        log = compile_for_arch("forward", [s.name_expression for s in specs], arch, cuda_include_dirs())
+        log = compile_for_arch("forward", [s.name_expression for s in specs], arch)
 
     entries = parse_ptxas(log)
     matched = match_entries(entries, specs)

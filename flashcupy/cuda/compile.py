@@ -137,13 +137,12 @@ def precompile(specs: list[KernelSpec], device_id: int, workers: int = 8) -> Non
             future.result()
 
 
-def compile_for_arch(family: str, names: list[str], arch: int, include_dirs: tuple[str, ...] = ()) -> str:
+def compile_for_arch(family: str, names: list[str], arch: int) -> str:
     """Compile ``names`` for sm_``arch`` with NVRTC directly (no GPU needed); returns the log
     with ptxas' verbose report. Raises KernelCompileError on failure."""
     from cupy_backends.cuda.libs import nvrtc
 
-    options = list(compile_options()) + [f"-I{d}" for d in include_dirs]
-    options += [f"-arch=sm_{arch}", "--ptxas-options=--verbose"]
+    options = [*compile_options(), f"-arch=sm_{arch}", "--ptxas-options=--verbose"]
     program = nvrtc.createProgram(read_source(family), _SOURCES[family], [], [])
     try:
         for name in names:
