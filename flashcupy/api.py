@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from . import cpu, interop, rng
 from .problem import (
-    BACKENDS, OPTION_DEFAULTS, Problem, check_dropout, check_host_backward_arrays, make_device_problem,
+    BACKENDS, OPTION_DEFAULTS, Problem, check_device_backward_arrays, check_dropout, check_host_backward_arrays,
+    make_device_problem,
     make_host_problem,
 )
 
@@ -64,15 +65,18 @@ def _forward(pb: Problem, restore: Callable, backend: str):
     return restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))
 
 
-def _backward_backend(options: dict[str, Any], q: Any) -> str:
-    """The backward runs on the CPU until the CUDA backward kernels exist."""
-    name = options.get("backend", OPTION_DEFAULTS["backend"])
-    if _backend(name, q) == "cuda" and name == "cuda":
-        raise RuntimeError(
-            "backend='cuda': the CUDA backward kernels are not built yet; use backend='auto' "
-            "(the forward runs on the GPU, the backward on the CPU) or backend='cpu'"
-        )
-    return "cpu"
+def _run_backward(pb: Problem, backend: str, dout: Any, out: Any, lse: Any, bias_grad: bool, deterministic: bool):
+    """(dq, dk, dv, dbias) in the problem's internal layout from the backend that holds its arrays.
+
+    dout, out, lse are validated here (as the caller's arrays, in the caller's layout).
+    """
+    if backend == "cuda":
+        from . import cuda
+
+        dout, out, lse = check_device_backward_arrays(pb, dout, out, lse)
+        return cuda.backward(pb, dout, out, lse, bias_grad, deterministic)
+    dout, out, lse = check_host_backward_arrays(pb, dout, out, lse)
+    return cpu.backward(pb, dout, out, lse, bias_grad)
 
 
 def _with_seed(options: dict[str, Any], required: bool = False) -> dict[str, Any]:
@@ -197,9 +201,8 @@ def flash_attention_backward(
             raise TypeError(f"{name}: expected a bool, received {flag!r}")
     if bias_grad and options.get("bias") is None:
         raise ValueError("bias_grad: expected a bias to differentiate, received bias=None")
-    pb, restore, _ = _prepare(q, k, v, options, _backward_backend(options, q))
-    dout, out, lse = check_host_backward_arrays(pb, dout, out, lse)
-    dq, dk, dv, dbias = cpu.backward(pb, dout, out, lse, bias_grad)
+    pb, restore, backend = _prepare(q, k, v, options)
+    dq, dk, dv, dbias = _run_backward(pb, backend, dout, out, lse, bias_grad, deterministic)
     grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
     return grads + (restore(dbias),) if bias_grad else grads
 
@@ -217,10 +220,9 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
 
     def vjp(dout: Any):
         """(dq, dk, dv[, dbias]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
-        host_pb, _, _ = (pb, None, None) if backend == "cpu" else _prepare(q, k, v, options, _backward_backend(options, q))
-        host_out, host_lse = interop.to_numpy(out), interop.to_numpy(lse)
-        d_out, _, _ = check_host_backward_arrays(host_pb, dout, _squeeze(pb, host_out), _squeeze(pb, host_lse))
-        dq, dk, dv, dbias = cpu.backward(host_pb, d_out, host_out, host_lse, pb.bias is not None)
+        dq, dk, dv, dbias = _run_backward(
+            pb, backend, dout, _squeeze(pb, out), _squeeze(pb, lse), pb.bias is not None, False
+        )
         grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
         return grads + (restore(dbias),) if pb.bias is not None else grads
 

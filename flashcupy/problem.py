@@ -634,6 +634,14 @@ def check_backward_arrays(problem: Problem, dout: Any, out: Any, lse: Any) -> tu
     return dout, out, lse
 
 
+def check_device_backward_arrays(problem: Problem, dout: Any, out: Any, lse: Any) -> tuple[Any, Any, Any]:
+    """:func:`check_backward_arrays` on CuPy arrays on the problem's device (zero copy when there)."""
+    device = problem.q.device.id
+    return check_backward_arrays(
+        problem, _device_array("dout", dout, device), _device_array("out", out, device), _device_array("lse", lse, device)
+    )
+
+
 def check_host_backward_arrays(problem: Problem, dout: Any, out: Any, lse: Any) -> tuple[Any, Any, Any]:
     """:func:`check_backward_arrays` on host NumPy copies (or views) of ``dout``, ``out``, ``lse``.
 

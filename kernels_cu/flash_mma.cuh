@@ -63,12 +63,12 @@ struct Simt {
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll 4
         for (int k = 0; k < HD; ++k) {
-            const Acc q0 = static_cast<Acc>(to_float_or_self(sQw[g * LDQ + k]));
-            const Acc q1 = static_cast<Acc>(to_float_or_self(sQw[(g + 8) * LDQ + k]));
+            const Acc q0 = static_cast<Acc>(widen(sQw[g * LDQ + k]));
+            const Acc q1 = static_cast<Acc>(widen(sQw[(g + 8) * LDQ + k]));
 #pragma unroll
             for (int n = 0; n < BN / 8; ++n) {
-                const Acc k0 = static_cast<Acc>(to_float_or_self(sK[(8 * n + 2 * t) * LDK + k]));
-                const Acc k1 = static_cast<Acc>(to_float_or_self(sK[(8 * n + 2 * t + 1) * LDK + k]));
+                const Acc k0 = static_cast<Acc>(widen(sK[(8 * n + 2 * t) * LDK + k]));
+                const Acc k1 = static_cast<Acc>(widen(sK[(8 * n + 2 * t + 1) * LDK + k]));
                 s[n][0] += q0 * k0;
                 s[n][1] += q0 * k1;
                 s[n][2] += q1 * k0;
@@ -88,8 +88,8 @@ struct Simt {
             const Acc p1 = quad_fetch(p[j / 8], 1, j);  // P[g + 8][j]
 #pragma unroll
             for (int n = 0; n < DV / 8; ++n) {
-                const Acc v0 = static_cast<Acc>(to_float_or_self(sV[j * LDV + 8 * n + 2 * t]));
-                const Acc v1 = static_cast<Acc>(to_float_or_self(sV[j * LDV + 8 * n + 2 * t + 1]));
+                const Acc v0 = static_cast<Acc>(widen(sV[j * LDV + 8 * n + 2 * t]));
+                const Acc v1 = static_cast<Acc>(widen(sV[j * LDV + 8 * n + 2 * t + 1]));
                 o[n][0] += p0 * v0;
                 o[n][1] += p0 * v1;
                 o[n][2] += p1 * v0;
@@ -98,10 +98,6 @@ struct Simt {
         }
     }
 
-    // float16/bfloat16 widen to float; float and double stay themselves (no rounding).
-    template <typename U> static __device__ __forceinline__ auto to_float_or_self(U x) { return to_float(x); }
-    static __device__ __forceinline__ float to_float_or_self(float x) { return x; }
-    static __device__ __forceinline__ double to_float_or_self(double x) { return x; }
 };
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800

@@ -7,6 +7,7 @@ write fails the comparison.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
 import numpy as np
@@ -16,13 +17,15 @@ from hypothesis import strategies as st
 
 import flashcupy as fc
 from flashcupy import rng
-from support import BF16, F16, F32, F64, Case, assert_rule, cases, cu_seqlens, padded_to_packed
+from support import (
+    BF16, F16, F32, F64, FLOOR, Case, assert_rule, cancelling_terms, cases, cu_seqlens, padded_to_packed,
+)
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 from flashcupy import cuda  # noqa: E402  (needs CuPy)
 from flashcupy.cuda import compile as kernels  # noqa: E402
-from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_forward_specs  # noqa: E402
+from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_backward_specs, all_forward_specs  # noqa: E402
 
 GPU_SETTINGS = settings(max_examples=int(os.environ.get("FLASHCUPY_GPU_EXAMPLES", "60")), deadline=None)
 
@@ -33,6 +36,10 @@ def gpu_session():
     device = cupy.cuda.Device().id
     arch, _ = cuda.device_limits(device)
     kernels.precompile(all_forward_specs(min(arch, 90)), device, workers=os.cpu_count() or 4)
+    backward = [(n, s.smem_bytes) for s in all_backward_specs(min(arch, 90)) for n in (s.delta_name, s.dq_name, s.dkdv_name)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        for future in [pool.submit(kernels.get_function, "backward", n, device, smem) for n, smem in set(backward)]:
+            future.result()
     cuda.poison_outputs = True
     yield
     cuda.poison_outputs = False
@@ -193,3 +200,84 @@ def test_more_than_65535_heads() -> None:
     out = fc.flash_attention(q, k, v, backend="cuda").get()
     ref = fc.attention_reference(case.q, case.k, case.v)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _check_backward(case: Case, deterministic: bool = False) -> None:
+    q, k, v, dout = (_device(x) for x in (case.q, case.k, case.v, case.dout))
+    options = _device_options(case.options)
+    bias_grad = "bias" in options
+    out, lse = fc.flash_attention_forward(q, k, v, backend="cuda", **options)
+    grads = fc.flash_attention_backward(dout, q, k, v, out, lse, bias_grad=bias_grad, deterministic=deterministic,
+                                        backend="cuda", **options)
+    ref, naive = case.references()
+    terms = cancelling_terms(case, ref)
+    for name, x, g in zip(("dq", "dk", "dv"), (case.q, case.k, case.v), grads):
+        assert isinstance(g, cupy.ndarray) and g.dtype == case.dtype and g.shape == x.shape, name
+        assert_rule(name, g.get(), ref[name], naive[name], case.dtype, terms[name])
+    if bias_grad:
+        bias = case.options["bias"]
+        dbias = grads[3].get()
+        assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+        floor_dtype = max(case.dtype, bias.dtype, key=lambda d: FLOOR[d])
+        assert_rule("dbias", dbias, ref["dbias"], naive["dbias"], floor_dtype, terms["dbias"])
+
+
+@GPU_SETTINGS
+@given(cases())
+@example(_case((2, 4, 300, 64), (2, 2, 257, 64), causal=True, dropout_p=0.25, seed=11, bias=np.ones((1, 300, 257), np.float16)))
+@example(_case((1, 2, 97, 256), (1, 2, 130, 256), dtype=F64, softcap=3.0, window=(20, 5)))
+@example(_case((2, 1, 64, 128), (2, 1, 80, 128), dv=40, dtype=BF16, alibi_slopes=np.array([0.3])))
+def test_backward_matches_reference(case: Case) -> None:
+    _check_backward(case)
+
+
+@GPU_SETTINGS
+@given(cases())
+def test_portable_backward_matches_reference(case: Case) -> None:
+    with mock.patch.dict(os.environ, {FORCE_PORTABLE_ENV: "1"}):
+        _check_backward(case)
+
+
+@given(cases(), st.booleans())
+@settings(max_examples=20, deadline=None)
+def test_deterministic_backward_is_bitwise_repeatable(case: Case, with_bias: bool) -> None:
+    options = _device_options(case.options)
+    if with_bias:
+        scores = (case.q.shape[-2], case.k.shape[-2])  # broadcast over batch and heads: dbias reduces
+        options["bias"] = cupy.asarray(np.random.default_rng(0).standard_normal(scores).astype(np.float32))
+    q, k, v, dout = (_device(x) for x in (case.q, case.k, case.v, case.dout))
+    out, lse = fc.flash_attention_forward(q, k, v, backend="cuda", **options)
+    bias_grad = options.get("bias") is not None
+    runs = [fc.flash_attention_backward(dout, q, k, v, out, lse, bias_grad=bias_grad, deterministic=True,
+                                        backend="cuda", **options) for _ in range(5)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a.get(), b.get())
+
+
+def test_float64_gradients_match_central_finite_differences() -> None:
+    rs = np.random.default_rng(3)
+    q, k, v = rs.standard_normal((1, 2, 5, 3)), rs.standard_normal((1, 1, 6, 3)), rs.standard_normal((1, 1, 6, 2))
+    dout = rs.standard_normal((1, 2, 5, 2))
+    options = {"causal": True, "softcap": 2.0, "bias": rs.standard_normal((5, 6)), "backend": "cuda"}
+    dev = [cupy.asarray(x) for x in (q, k, v, dout)]
+    dev_opts = {**options, "bias": cupy.asarray(options["bias"])}
+    out, lse = fc.flash_attention_forward(*dev[:3], **dev_opts)
+    grads = [g.get() for g in fc.flash_attention_backward(dev[3], *dev[:3], out, lse, bias_grad=True, **dev_opts)]
+
+    def loss() -> float:
+        return float(np.sum(dout * fc.flash_attention(q, k, v, **{**options, "backend": "cpu"})))
+
+    for x, g in zip((q, k, v, options["bias"]), grads):
+        numeric = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            orig = x[idx]
+            x[idx] = orig + 1e-6
+            hi = loss()
+            x[idx] = orig - 1e-6
+            numeric[idx] = (hi - loss()) / 2e-6
+            x[idx] = orig
+        np.testing.assert_allclose(g, numeric, rtol=1e-6, atol=1e-8)

@@ -17,8 +17,8 @@ import numpy as np
 from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
-from .compile import forward_function
-from .spec import needs_full, select_forward
+from .compile import forward_function, get_function
+from .spec import needs_full, select_backward, select_forward
 
 #: Fill outputs with NaN before each launch (tests set it) so unwritten elements show.
 poison_outputs = False
@@ -67,6 +67,79 @@ def _empty(shape, dtype, xp):
     return xp.full(shape, np.nan, dtype=dtype) if poison_outputs else xp.empty(shape, dtype=dtype)
 
 
+def _rows_fields(pb: Problem, arrays: dict[str, Any], xp) -> dict[str, int]:
+    """Strides (elements) of row-major operands named by their Params prefix: batch, head, row.
+
+    Padded problems merge the batch dims (a view where strides allow); packed ones have no
+    batch stride. ``arrays`` maps a prefix ('q', 'do', ...) to its array in internal layout.
+    """
+    fields = {}
+    for name, x in arrays.items():
+        if pb.varlen:
+            fields[f"{name}_sh"], fields[f"{name}_sr"] = _elem_strides(x)[:2]
+        else:
+            fields[f"{name}_sb"], fields[f"{name}_sh"], fields[f"{name}_sr"] = _elem_strides(_merge_batch(x, pb.batch, xp))[:3]
+    return fields
+
+
+def _grid(blocks: int, heads: int) -> tuple[int, int, int]:
+    """x: blocks per head; heads split over y and z (gridDim.y is at most 65535)."""
+    grid_y = min(heads, 65535)
+    return blocks, grid_y, -(-heads // grid_y)
+
+
+def _problem_params(pb: Problem, q, k, v, out, lse, xp) -> tuple[np.void, list]:
+    """The Params block of a problem whose (aligned, last-axis contiguous) operands are given,
+    and the device arrays it points into that must outlive the launch."""
+    fields: dict[str, Any] = _rows_fields(pb, {"q": q, "k": k, "v": v, "o": out}, xp)
+    keep_alive = []  # device copies the launch reads; CuPy reuses freed memory only for later work
+    if pb.varlen:
+        fields["lse_sh"] = _elem_strides(lse)[0]
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
+            keep_alive.append(xp.asarray(getattr(pb, name), dtype=xp.int32))
+            fields[name] = keep_alive[-1].data.ptr
+    else:
+        fields["lse_sb"], fields["lse_sh"] = _elem_strides(_merge_batch(lse, pb.batch, xp))[:2]
+        for name, lengths in (("seqlens_q", pb.q_lengths), ("seqlens_k", pb.kv_lengths)):
+            if lengths is not None:
+                keep_alive.append(xp.asarray(np.ascontiguousarray(lengths, dtype=np.int32).reshape(-1)))
+                fields[name] = keep_alive[-1].data.ptr
+    batch = math.prod(pb.batch)
+    for name, short in (("mask", "mask"), ("bias", "bias"), ("block_mask", "bm")):
+        x = getattr(pb, name)
+        if x is not None:
+            x = _merge_batch(x, pb.batch, xp)
+            keep_alive.append(x)
+            fields[name] = x.data.ptr
+            for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(x)):
+                fields[f"{short}_{suffix}"] = s
+    if pb.bias is not None:
+        fields["bias_dtype"] = P.DTYPE_CODE[pb.bias.dtype.name]
+    if pb.alibi_slopes is not None:
+        slopes = xp.asarray(np.ascontiguousarray(pb.alibi_slopes.reshape(batch, pb.num_heads_q)))
+        keep_alive.append(slopes)
+        fields.update(alibi=slopes.data.ptr, alibi_sb=pb.num_heads_q, alibi_sh=1)
+    left, right = pb.window if pb.window is not None else (None, None)
+    params = P.pack(
+        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+        batch=batch, hq=pb.num_heads_q, hk=pb.num_heads_k, lq=pb.seqlen_q, lk=pb.seqlen_k,
+        d=q.shape[-1], dv=pb.head_dim_v, dv_stored=v.shape[-1], causal=P.CAUSAL_CODE[pb.causal],
+        window_left=-1 if left is None else min(left, 2**31 - 1),
+        window_right=-1 if right is None else min(right, 2**31 - 1),
+        block_size=pb.block_size or 1, seed=pb.seed or 0, scale=pb.scale,
+        softcap=pb.softcap or 0.0, has_softcap=int(pb.softcap is not None),
+        dropout_threshold=rng.dropout_threshold(pb.dropout_p) if pb.dropout_p > 0 else 0,
+        dropout_offset=pb.dropout_offset, dropout_scale=1.0 / (1.0 - pb.dropout_p),
+        **fields,
+    )
+    return params, keep_alive
+
+
+def _operands(pb: Problem, xp):
+    """q, k, v with a contiguous last axis and 16-byte aligned rows (one padded copy if not)."""
+    return tuple(_aligned_rows(_last_axis_contiguous(x, xp), xp) for x in (pb.q, pb.k, pb.v))
+
+
 def forward(pb: Problem) -> tuple[Any, Any]:
     """(out, lse) of a problem on CuPy arrays, in the problem's internal layout."""
     import cupy as xp
@@ -77,63 +150,84 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         full = needs_full(pb.bias is not None, pb.mask is not None, pb.block_mask is not None,
                           pb.alibi_slopes is not None, pb.softcap is not None, pb.dropout_p > 0)
         spec = select_forward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32, full=full)
-        q, k, v = (_aligned_rows(_last_axis_contiguous(x, xp), xp) for x in (pb.q, pb.k, pb.v))
+        q, k, v = _operands(pb, xp)
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
-        fields: dict[str, Any] = {}
-        keep_alive = []  # device copies the launch reads; CuPy reuses freed memory only for later work
-        if pb.varlen:
-            for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
-                fields[f"{name}_sh"], fields[f"{name}_sr"] = _elem_strides(x)[:2]
-            fields["lse_sh"] = _elem_strides(lse)[0]
-            for name in ("cu_seqlens_q", "cu_seqlens_k"):
-                keep_alive.append(xp.asarray(getattr(pb, name), dtype=xp.int32))
-                fields[name] = keep_alive[-1].data.ptr
-        else:
-            q, k, v = (_merge_batch(x, pb.batch, xp) for x in (q, k, v))
-            for name, x in (("q", q), ("k", k), ("v", v), ("o", _merge_batch(out, pb.batch, xp))):
-                fields[f"{name}_sb"], fields[f"{name}_sh"], fields[f"{name}_sr"] = _elem_strides(x)[:3]
-            fields["lse_sb"], fields["lse_sh"] = _elem_strides(_merge_batch(lse, pb.batch, xp))[:2]
-            for name, lengths in (("seqlens_q", pb.q_lengths), ("seqlens_k", pb.kv_lengths)):
-                if lengths is not None:
-                    keep_alive.append(xp.asarray(np.ascontiguousarray(lengths, dtype=np.int32).reshape(-1)))
-                    fields[name] = keep_alive[-1].data.ptr
-        batch = math.prod(pb.batch)
-
-        for name, short in (("mask", "mask"), ("bias", "bias"), ("block_mask", "bm")):
-            x = getattr(pb, name)
-            if x is not None:
-                x = _merge_batch(x, pb.batch, xp)
-                keep_alive.append(x)
-                fields[name] = x.data.ptr
-                for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(x)):
-                    fields[f"{short}_{suffix}"] = s
-        if pb.bias is not None:
-            fields["bias_dtype"] = P.DTYPE_CODE[pb.bias.dtype.name]
-        if pb.alibi_slopes is not None:
-            slopes = xp.asarray(np.ascontiguousarray(pb.alibi_slopes.reshape(batch, pb.num_heads_q)))
-            keep_alive.append(slopes)
-            fields.update(alibi=slopes.data.ptr, alibi_sb=pb.num_heads_q, alibi_sh=1)
-        left, right = pb.window if pb.window is not None else (None, None)
-
-        params = P.pack(
-            q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
-            batch=batch, hq=pb.num_heads_q, hk=pb.num_heads_k, lq=pb.seqlen_q, lk=pb.seqlen_k,
-            d=q.shape[-1], dv=pb.head_dim_v, dv_stored=v.shape[-1], causal=P.CAUSAL_CODE[pb.causal],
-            window_left=-1 if left is None else min(left, 2**31 - 1),
-            window_right=-1 if right is None else min(right, 2**31 - 1),
-            block_size=pb.block_size or 1, seed=pb.seed or 0, scale=pb.scale,
-            softcap=pb.softcap or 0.0, has_softcap=int(pb.softcap is not None),
-            dropout_threshold=rng.dropout_threshold(pb.dropout_p) if pb.dropout_p > 0 else 0,
-            dropout_offset=pb.dropout_offset, dropout_scale=1.0 / (1.0 - pb.dropout_p),
-            **fields,
-        )
-        bh = batch * pb.num_heads_q
+        params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp)
+        heads = math.prod(pb.batch) * pb.num_heads_q
         m_blocks = -(-pb.seqlen_q // spec.block_m)
         chunks = -(-pb.head_dim_v // spec.dv_tile)
-        if bh and m_blocks:
-            grid_y = min(bh, 65535)
-            grid = (m_blocks * chunks, grid_y, -(-bh // grid_y))
-            forward_function(spec, device_id)(grid, (spec.threads,), (params,), shared_mem=spec.smem_bytes)
+        if heads and m_blocks:
+            forward_function(spec, device_id)(_grid(m_blocks * chunks, heads), (spec.threads,), (params,),
+                                              shared_mem=spec.smem_bytes)
         del keep_alive  # safe: memory CuPy frees now is reused only by work queued after this launch
     return out, lse
+
+
+def _dbias_buffer(pb: Problem, deterministic: bool, xp):
+    """(buffer the kernels add dS into, its (B, Hq, Lq, Lk) strided view, finish()).
+
+    The buffer has the bias's own (padded) shape, broadcast by zero strides, so atomics
+    reduce over broadcast dims; ``deterministic`` (or batch dims that cannot merge into one
+    strided view) takes one element per score instead and reduces by a sum afterwards.
+    """
+    scores = pb.batch + (pb.num_heads_q, pb.seqlen_q, pb.seqlen_k)
+    full = (1,) * (len(scores) - len(pb.bias_shape)) + pb.bias_shape
+    acc_dtype = accumulator_dtype(pb.dtype)
+    reduced = full != scores
+    if not (deterministic and reduced):
+        acc = xp.zeros(full, dtype=acc_dtype)
+        view = _merge_batch(xp.broadcast_to(acc, scores), pb.batch, xp)
+        if view.data.ptr == acc.data.ptr and (view.base is not None or not reduced):
+            return view, lambda: acc.reshape(pb.bias_shape).astype(pb.bias.dtype)
+    acc = xp.zeros(scores, dtype=acc_dtype)
+    axes = tuple(a for a, (n, m) in enumerate(zip(full, scores)) if n != m)
+    return _merge_batch(acc, pb.batch, xp), lambda: acc.sum(axis=axes, keepdims=True).reshape(pb.bias_shape).astype(
+        pb.bias.dtype)
+
+
+def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
+    """(dq, dk, dv, dbias) of a problem on CuPy arrays, in its internal layout; dbias None
+    unless ``bias_grad``. dout, out, lse: device arrays in the internal layout."""
+    import cupy as xp
+
+    device_id = pb.q.device.id
+    with xp.cuda.Device(device_id):
+        arch, smem_limit = device_limits(device_id)
+        spec = select_backward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32)
+        acc = accumulator_dtype(pb.dtype)
+        q, k, v = _operands(pb, xp)
+        dout = _aligned_rows(_last_axis_contiguous(dout, xp), xp)
+        lse = xp.ascontiguousarray(lse, dtype=acc)
+        delta = xp.empty(pb.lse_shape, dtype=acc)
+        dq = _empty(pb.q.shape, pb.dtype, xp)
+        dk = _empty(pb.k.shape, pb.dtype, xp)
+        dv = _empty(pb.v.shape, pb.dtype, xp)
+        params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp)
+        fields = _rows_fields(pb, {"do": dout, "out": out, "dq": dq, "dk": dk, "dv": dv}, xp)
+        finish_dbias = None
+        if bias_grad:
+            dbias_view, finish_dbias = _dbias_buffer(pb, deterministic, xp)
+            fields["dbias"] = dbias_view.data.ptr
+            for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(dbias_view)):
+                fields[f"db_{suffix}"] = s
+        bparams = P.pack(
+            P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr,
+            dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim, **fields,
+        )
+        batch = math.prod(pb.batch)
+        heads, kv_heads = batch * pb.num_heads_q, batch * pb.num_heads_k
+        if heads and pb.seqlen_q:
+            get_function("backward", spec.delta_name, device_id)(
+                _grid(-(-pb.seqlen_q // 4), heads), (128,), (bparams,))
+            get_function("backward", spec.dq_name, device_id, spec.smem_bytes)(
+                _grid(-(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.chunk), heads), (spec.threads,),
+                (bparams,), shared_mem=spec.smem_bytes)
+        if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros
+            chunks = -(-max(pb.head_dim, pb.head_dim_v) // spec.chunk)
+            get_function("backward", spec.dkdv_name, device_id, spec.smem_bytes)(
+                _grid(-(-pb.seqlen_k // spec.block_r) * chunks, kv_heads), (spec.threads,), (bparams,),
+                shared_mem=spec.smem_bytes)
+        dbias = finish_dbias() if finish_dbias is not None else None
+        del keep_alive
+    return dq, dk, dv, dbias

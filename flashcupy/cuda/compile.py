@@ -18,10 +18,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .params import PARAMS_DTYPE
+from .params import BWD_PARAMS_DTYPE, PARAMS_DTYPE
 from .spec import KernelSpec
 
-_SOURCES = {"forward": "flash_fwd.cu", "philox_test": "philox_test.cu"}
+_SOURCES = {"forward": "flash_fwd.cu", "backward": "flash_bwd.cu", "philox_test": "philox_test.cu"}
 
 
 class KernelCompileError(RuntimeError):
@@ -81,6 +81,7 @@ def compile_options() -> tuple[str, ...]:
         f"-I{kernel_dir()}",
         *(f"-I{d}" for d in cuda_include_dirs()),
         f"-DFLASH_PARAMS_SIZE={PARAMS_DTYPE.itemsize}",
+        f"-DFLASH_BWD_PARAMS_SIZE={BWD_PARAMS_DTYPE.itemsize}",
         f"-DFLASH_SOURCE_HASH={source_hash()}",
     )
 

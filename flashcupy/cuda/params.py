@@ -32,18 +32,29 @@ PARAMS_DTYPE = np.dtype(
     align=True,
 )
 
+#: flash::BwdParams (kernels_cu/flash_bwd_params.cuh): the forward's block plus gradients.
+BWD_PARAMS_DTYPE = np.dtype(
+    [("f", PARAMS_DTYPE)]
+    + [(n, np.uint64) for n in ("dout", "out", "delta", "dq", "dk", "dv", "dbias")]
+    + [(n, np.int64) for n in ("do_sb", "do_sh", "do_sr", "out_sb", "out_sh", "out_sr", "dq_sb", "dq_sh", "dq_sr",
+                               "dk_sb", "dk_sh", "dk_sr", "dv_sb", "dv_sh", "dv_sr", "db_sb", "db_sh", "db_si",
+                               "db_sj")]
+    + [("d_true", np.int32)],
+    align=True,
+)
+
 #: Kernel dtype codes (flash::DtypeCode).
 DTYPE_CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 #: flash::Causal.
 CAUSAL_CODE = {None: 0, "bottom_right": 1, "top_left": 2}
 
 
-def pack(**fields: Any) -> np.void:
-    """A Params scalar; fields not given are 0 (null pointers, zero strides)."""
-    unknown = set(fields) - set(PARAMS_DTYPE.names)
+def pack(dtype: np.dtype = PARAMS_DTYPE, **fields: Any) -> np.void:
+    """A Params (or BwdParams) scalar; fields not given are 0 (null pointers, zero strides)."""
+    unknown = set(fields) - set(dtype.names)
     if unknown:
-        raise KeyError(f"not Params fields: {sorted(unknown)}")
-    record = np.zeros((), dtype=PARAMS_DTYPE)
+        raise KeyError(f"not fields of the parameter block: {sorted(unknown)}")
+    record = np.zeros((), dtype=dtype)
     for name, value in fields.items():
         record[name] = value
     return record[()]

@@ -147,6 +147,88 @@ def needs_full(bias: bool, mask: bool, block_mask: bool, alibi: bool, softcap: b
     return bias or mask or block_mask or alibi or softcap or dropout
 
 
+@dataclass(frozen=True)
+class BackwardSpec:
+    """The three backward kernels of one problem (kernels_cu/flash_bwd.cu) and their tiles."""
+
+    dtype: str
+    policy: str      # key of POLICIES; tensor-core policies with one 16-row group per warp
+    head_dim: int    # HD: padded head dim of q, k, v and dO in shared memory
+    chunk: int       # CH: gradient columns per block
+    block_r: int     # rows of the block's own operand (16 per warp)
+    block_c: int     # rows of the streamed operand per tile
+
+    @property
+    def threads(self) -> int:
+        return 2 * self.block_r
+
+    @property
+    def itemsize(self) -> int:
+        return KernelSpec(self.dtype, self.policy, self.head_dim, 16, 16, 1).itemsize
+
+    def _kernel(self, name: str) -> str:
+        t = CXX_TYPE[self.dtype]
+        policy = POLICIES[self.policy][0](t).replace(", 2>", ", 1>")
+        return f"flash::{name}<{t}, {policy}, {self.head_dim}, {self.chunk}, {self.block_r}, {self.block_c}>"
+
+    @property
+    def delta_name(self) -> str:
+        t = CXX_TYPE[self.dtype]
+        return f"flash::flash_bwd_delta<{t}, {'double' if t == 'double' else 'float'}>"
+
+    @property
+    def dq_name(self) -> str:
+        return self._kernel("flash_bwd_dq")
+
+    @property
+    def dkdv_name(self) -> str:
+        return self._kernel("flash_bwd_dkdv")
+
+    @property
+    def smem_bytes(self) -> int:
+        """Two (block_r, HD) and two (block_c, HD) tiles padded by 16 bytes, plus lse and D per streamed row."""
+        pad = 16 // self.itemsize
+        acc = 8 if self.dtype == "float64" else 4
+        return 2 * (self.block_r + self.block_c) * (self.head_dim + pad) * self.itemsize + 2 * self.block_c * acc
+
+
+def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
+                    portable: bool | None = None) -> BackwardSpec:
+    """The backward kernels for this problem on a GPU of compute capability ``arch``.
+
+    Gradient columns come in chunks of at most 64 (32 for float64) so that dK and dV (or
+    dQ) stay in registers beside S and dP whatever the head dim. Raises RuntimeError when
+    no tile fits.
+    """
+    portable = force_portable() if portable is None else portable
+    policy = policy_for(dtype, arch, allow_tf32, portable)
+    hd = head_dim_bucket(max(d, dv))
+    wide = dtype == "float64"
+    tiles = ((64, 16), (32, 16), (16, 16)) if wide else ((64, 32), (64, 16), (32, 16), (16, 16))
+    for block_r, block_c in tiles:
+        spec = BackwardSpec(dtype, policy, hd, min(hd, 32 if wide else 64), block_r, block_c)
+        if spec.smem_bytes <= smem_limit:
+            return spec
+    raise RuntimeError(
+        f"no {dtype} backward kernel for head dims ({d}, {dv}) fits this GPU's {smem_limit // 1024} KiB of "
+        f"shared memory per block (it needs {spec.smem_bytes // 1024} KiB); use backend='cpu'"
+    )
+
+
+def all_backward_specs(arch: int) -> list[BackwardSpec]:
+    """Every spec :func:`select_backward` can return on ``arch``."""
+    specs = set()
+    for dtype in CXX_TYPE:
+        for bucket in HEAD_DIM_BUCKETS:
+            for allow_tf32 in (False, True):
+                for portable in (False, True):
+                    try:
+                        specs.add(select_backward(dtype, bucket, bucket, arch, ARCH_SMEM[arch], allow_tf32, portable))
+                    except RuntimeError:
+                        pass
+    return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r, s.block_c))
+
+
 #: Opt-in shared memory per block (bytes) of each architecture CI compiles for.
 ARCH_SMEM = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 

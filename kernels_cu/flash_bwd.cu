@@ -1,0 +1,320 @@
+// FlashAttention backward: gradients recomputed tile by tile from Q, K, V, dO and the
+// forward's log-sum-exp; no attention matrix is ever stored.
+//
+//   flash_bwd_delta  D_i = sum_d dO_id O_id, one warp per row.
+//   flash_bwd_dq     query-major, like the forward: per key tile S = Q K^T, P = exp(S - lse),
+//                    dP = dO V^T, dS = P (dP z - D), dQ += dS K, with z = keep / (1 - p).
+//   flash_bwd_dkdv   key-major: warps own key rows, so S^T = K Q^T and dP^T = V dO^T come out
+//                    in the accumulator layout the warp products consume; dV += (P z)^T dO and
+//                    dK += dS^T Q. The query heads of a GQA group are looped inside the block,
+//                    and dbias (dS before softcap's chain rule) is added here.
+// No atomics touch dQ, dK or dV, so they are bitwise repeatable; dbias uses atomics (into a
+// buffer with one element per score when the caller asks for determinism). Gradient columns
+// come in CH-wide chunks (grid x), each chunk recomputing S and dP.
+//
+// Template parameters: T the element type, Policy (flash_mma.cuh; one 16-row group per warp),
+// HD the padded head dim shared by q, k, v and dO in shared memory, CH gradient columns per
+// block, BLOCK_R rows of the block's own operand (16 per warp: queries for dq, keys for dkdv)
+// and BLOCK_C rows of the operand streamed through it per tile.
+#include "flash_bwd_params.cuh"
+#include "flash_copy.cuh"
+#include "flash_mma.cuh"
+#include "flash_score.cuh"
+#include "philox.cuh"
+
+namespace flash {
+
+// lse in the log2 domain; a fully masked row (lse = -inf) subtracts 0, so that its
+// scores, all -inf, give exp2(-inf) = 0 rather than NaN.
+template <typename Acc> __device__ __forceinline__ Acc lse_log2(Acc lse) {
+    return lse == neg_inf<Acc>() ? Acc(0) : lse * static_cast<Acc>(kLog2e);
+}
+
+template <typename Acc> __device__ __forceinline__ Acc acc_atomic_add(Acc* address, Acc value) {
+    return atomicAdd(address, value);
+}
+
+// ------------------------------------------------------------------ D = rowsum(dO * O)
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(128) flash_bwd_delta(const BwdParams bp) {
+    const Params& p = bp.f;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int bh = blockIdx.y + gridDim.y * blockIdx.z;
+    if (bh >= p.batch * p.hq) return;
+    const HeadView hv = head_view(p, bh);
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const int i = blockIdx.x * 4 + warp;
+    if (i >= (packed ? hv.q_len : p.lq)) return;
+    const i64 row = packed ? hv.q_start + i : i;
+    const T* gdo = static_cast<const T*>(bp.dout) + (packed ? 0 : hv.b * bp.do_sb) + hv.h * bp.do_sh + row * bp.do_sr;
+    const T* go = static_cast<const T*>(bp.out) + (packed ? 0 : hv.b * bp.out_sb) + hv.h * bp.out_sh + row * bp.out_sr;
+    Acc sum = Acc(0);
+    for (int d = lane; d < p.dv; d += 32) sum += widen(gdo[d]) * widen(go[d]);
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+    if (lane == 0) {
+        Acc* delta = static_cast<Acc*>(bp.delta) + (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh;
+        delta[i] = i < hv.q_len ? sum : Acc(0);
+    }
+}
+
+// ------------------------------------------------------------------ dQ
+template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C>
+__global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams bp) {
+    using Acc = typename Policy::Acc;
+    static_assert(Policy::MI == 1, "one 16-row group per warp");
+    constexpr int THREADS = BLOCK_R * 2;  // 16 rows per warp
+    constexpr int LD = HD + 16 / sizeof(T);
+    constexpr int NT = BLOCK_C / 8, NC = CH / 8;
+    const Params& p = bp.f;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* sQ = reinterpret_cast<T*>(smem);  // (BLOCK_R, HD)
+    T* sdO = sQ + BLOCK_R * LD;          // (BLOCK_R, HD): dO, zero beyond dv
+    T* sK = sdO + BLOCK_R * LD;          // (BLOCK_C, HD)
+    T* sV = sK + BLOCK_C * LD;           // (BLOCK_C, HD)
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int m_blocks = (p.lq + BLOCK_R - 1) / BLOCK_R;
+    const int chunk = blockIdx.x / m_blocks;
+    const int i0 = (blockIdx.x - chunk * m_blocks) * BLOCK_R;
+    const int c0 = chunk * CH;
+    const int bh = blockIdx.y + gridDim.y * blockIdx.z;
+    if (bh >= p.batch * p.hq) return;
+    const HeadView hv = head_view(p, bh);
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const int frame_rows = packed ? hv.q_len : p.lq;
+    if (i0 >= frame_rows) return;
+    const int hk = hv.h / (p.hq / p.hk);
+    const int rows_valid = max(0, min(BLOCK_R, hv.q_len - i0));
+    int lo = 0, hi = 0;
+    if (rows_valid > 0) key_range(p, hv, i0, i0 + rows_valid, lo, hi);
+
+    const i64 q_row0 = packed ? hv.q_start + i0 : i0;
+    const T* gQ = static_cast<const T*>(p.q) + (packed ? 0 : hv.b * p.q_sb) + hv.h * p.q_sh + q_row0 * p.q_sr;
+    const T* gdO = static_cast<const T*>(bp.dout) + (packed ? 0 : hv.b * bp.do_sb) + hv.h * bp.do_sh + q_row0 * bp.do_sr;
+    const T* gK = static_cast<const T*>(p.k) + (packed ? hv.k_start * p.k_sr : hv.b * p.k_sb) + hk * p.k_sh;
+    const T* gV = static_cast<const T*>(p.v) + (packed ? hv.k_start * p.v_sr : hv.b * p.v_sb) + hk * p.v_sh;
+    const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh;  // lse and delta offset
+    load_tile<T, BLOCK_R, HD, LD, THREADS>(sQ, gQ, p.q_sr, rows_valid, p.d);
+    load_tile<T, BLOCK_R, HD, LD, THREADS>(sdO, gdO, bp.do_sr, rows_valid, p.dv_stored);
+    cp_async_commit();
+
+    const ScoreOp<Acc> score(p, hv);
+    const int r0 = i0 + 16 * warp + g;  // rows r0 and r0 + 8
+    Acc lse2[2], delta[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const int i = r0 + 8 * x;
+        lse2[x] = i < hv.q_len ? lse_log2(static_cast<const Acc*>(p.lse)[stat + i]) : Acc(0);
+        delta[x] = i < hv.q_len ? static_cast<const Acc*>(bp.delta)[stat + i] : Acc(0);
+    }
+    Acc dq[1][NC][4];
+#pragma unroll
+    for (int n = 0; n < NC; ++n) dq[0][n][0] = dq[0][n][1] = dq[0][n][2] = dq[0][n][3] = Acc(0);
+    const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
+
+    for (int j0 = lo - lo % BLOCK_C; j0 < hi; j0 += BLOCK_C) {
+        const int j1 = min(j0 + BLOCK_C, hi);
+        if (!tile_live(p, hv, i0, i0 + rows_valid, j0, j1)) continue;  // uniform
+        __syncthreads();  // every warp is done with the previous K and V
+        load_tile<T, BLOCK_C, HD, LD, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, j1 - j0, p.d);
+        load_tile<T, BLOCK_C, HD, LD, THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, p.dv_stored);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        Acc s[1][NT][4], dp[1][NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][n][e] = dp[0][n][e] = Acc(0);
+        Policy::template qk<HD, BLOCK_C, LD, LD>(sQ + 16 * warp * LD, sK, s);    // S = Q K^T
+        Policy::template qk<HD, BLOCK_C, LD, LD>(sdO + 16 * warp * LD, sV, dp);  // dP = dO V^T
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            bool keep[4] = {true, true, true, true};
+            if (p.dropout_threshold != 0) {
+                const int j = j0 + 8 * n + 2 * t;  // even: j0 is a multiple of BLOCK_C
+                dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, r0, j, p.dropout_threshold, keep[0], keep[1]);
+                dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, r0 + 8, j, p.dropout_threshold, keep[2], keep[3]);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int x = e >> 1, i = r0 + 8 * x, j = j0 + 8 * n + 2 * t + (e & 1);
+                const Acc raw = s[0][n][e];
+                const Acc sc = (j < j1 && i < hv.q_len) ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
+                const Acc pe = fast_exp2(sc - lse2[x]);                             // P = exp(S - lse)
+                const Acc z = p.dropout_threshold != 0 ? (keep[e] ? dropout_scale : Acc(0)) : Acc(1);
+                Acc ds = pe * (dp[0][n][e] * z - delta[x]);                          // dS = P (dP z - D)
+                if (p.has_softcap) {
+                    const Acc th = tanh_acc(raw * score.scale * score.inv_softcap);
+                    ds *= Acc(1) - th * th;  // d(c tanh(x / c)) / dx = 1 - tanh^2
+                }
+                s[0][n][e] = ds;
+            }
+        }
+        typename Policy::template PFrag<BLOCK_C> pf;
+        Policy::template pack_p<BLOCK_C>(s, pf);
+        Policy::template pv<BLOCK_C, CH, LD>(pf, sK + c0, dq);  // dQ += dS K
+    }
+    cp_async_wait<0>();
+
+    T* gdQ = static_cast<T*>(bp.dq) + (packed ? hv.q_start * bp.dq_sr : hv.b * bp.dq_sb) + hv.h * bp.dq_sh;
+    const Acc scale = static_cast<Acc>(p.scale);
+    const int cols = min(CH, bp.d_true - c0);
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const int i = r0 + 8 * x;
+        if (i >= frame_rows) continue;
+        T* row = gdQ + i * bp.dq_sr + c0;
+#pragma unroll
+        for (int n = 0; n < NC; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int col = 8 * n + 2 * t + c;
+                if (col < cols) row[col] = static_cast<T>(i < hv.q_len ? dq[0][n][2 * x + c] * scale : Acc(0));
+            }
+    }
+}
+
+// ------------------------------------------------------------------ dK, dV (and dbias)
+template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C>
+__global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams bp) {
+    using Acc = typename Policy::Acc;
+    static_assert(Policy::MI == 1, "one 16-row group per warp");
+    constexpr int THREADS = BLOCK_R * 2;
+    constexpr int LD = HD + 16 / sizeof(T);
+    constexpr int NT = BLOCK_C / 8, NC = CH / 8;
+    const Params& p = bp.f;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* sK = reinterpret_cast<T*>(smem);  // (BLOCK_R, HD) this block's keys
+    T* sV = sK + BLOCK_R * LD;           // (BLOCK_R, HD)
+    T* sQ = sV + BLOCK_R * LD;           // (BLOCK_C, HD) streamed queries
+    T* sdO = sQ + BLOCK_C * LD;          // (BLOCK_C, HD)
+    Acc* sLse = reinterpret_cast<Acc*>(sdO + BLOCK_C * LD);  // (BLOCK_C) lse in the log2 domain
+    Acc* sDelta = sLse + BLOCK_C;                              // (BLOCK_C)
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n_blocks = (p.lk + BLOCK_R - 1) / BLOCK_R;
+    const int chunk = blockIdx.x / n_blocks;
+    const int j0 = (blockIdx.x - chunk * n_blocks) * BLOCK_R;
+    const int c0 = chunk * CH;
+    const int bhk = blockIdx.y + gridDim.y * blockIdx.z;  // (batch, key head)
+    if (bhk >= p.batch * p.hk) return;
+    const int b = bhk / p.hk, hk = bhk - b * p.hk, group = p.hq / p.hk;
+    const HeadView hv0 = head_view(p, b * p.hq + hk * group);  // lengths and offsets of batch b
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const int frame_keys = packed ? hv0.kv_len : p.lk;
+    if (j0 >= frame_keys) return;
+    const int keys_valid = max(0, min(BLOCK_R, hv0.kv_len - j0));
+
+    const i64 k_row0 = packed ? hv0.k_start + j0 : j0;
+    const T* gK = static_cast<const T*>(p.k) + (packed ? 0 : b * p.k_sb) + hk * p.k_sh + k_row0 * p.k_sr;
+    const T* gV = static_cast<const T*>(p.v) + (packed ? 0 : b * p.v_sb) + hk * p.v_sh + k_row0 * p.v_sr;
+    load_tile<T, BLOCK_R, HD, LD, THREADS>(sK, gK, p.k_sr, keys_valid, p.d);
+    load_tile<T, BLOCK_R, HD, LD, THREADS>(sV, gV, p.v_sr, keys_valid, p.dv_stored);
+    cp_async_commit();
+
+    // Queries [i_lo, i_hi) that may attend some key of [j0, j0 + keys_valid): key_range inverted.
+    int i_lo = 0, i_hi = keys_valid > 0 ? hv0.q_len : 0;
+    const int j_last = j0 + keys_valid - 1;
+    if (p.causal != kNoCausal) i_lo = max(i_lo, j0 - (p.causal == kTopLeft ? 0 : hv0.diagonal));
+    if (p.window_right >= 0) i_lo = max(i_lo, j0 - hv0.diagonal - p.window_right);
+    if (p.window_left >= 0) i_hi = min(i_hi, j_last - hv0.diagonal + p.window_left + 1);
+
+    const int r0 = j0 + 16 * warp + g;  // this thread's keys: r0 and r0 + 8
+    Acc dk[1][NC][4], dv[1][NC][4];
+#pragma unroll
+    for (int n = 0; n < NC; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[0][n][e] = dv[0][n][e] = Acc(0);
+    const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
+
+    for (int hq = 0; hq < group; ++hq) {
+        const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
+        const ScoreOp<Acc> score(p, hv);
+        const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh;
+        const T* gQ = static_cast<const T*>(p.q) + (packed ? hv.q_start * p.q_sr : hv.b * p.q_sb) + hv.h * p.q_sh;
+        const T* gdO = static_cast<const T*>(bp.dout) + (packed ? hv.q_start * bp.do_sr : hv.b * bp.do_sb) + hv.h * bp.do_sh;
+        for (int i0 = i_lo - i_lo % BLOCK_C; i0 < i_hi; i0 += BLOCK_C) {
+            const int i1 = min(i0 + BLOCK_C, i_hi);
+            if (!tile_live(p, hv, i0, i1, j0, j0 + max(keys_valid, 1))) continue;  // uniform
+            __syncthreads();  // every warp is done with the previous Q, dO and statistics
+            load_tile<T, BLOCK_C, HD, LD, THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, i1 - i0, p.d);
+            load_tile<T, BLOCK_C, HD, LD, THREADS>(sdO, gdO + i0 * bp.do_sr, bp.do_sr, i1 - i0, p.dv_stored);
+            cp_async_commit();
+            for (int c = threadIdx.x; c < BLOCK_C; c += THREADS) {
+                const int i = i0 + c;
+                sLse[c] = i < i1 ? lse_log2(static_cast<const Acc*>(p.lse)[stat + i]) : Acc(0);
+                sDelta[c] = i < i1 ? static_cast<const Acc*>(bp.delta)[stat + i] : Acc(0);
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+
+            Acc st[1][NT][4], dpt[1][NT][4];
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[0][n][e] = dpt[0][n][e] = Acc(0);
+            Policy::template qk<HD, BLOCK_C, LD, LD>(sK + 16 * warp * LD, sQ, st);   // S^T = K Q^T
+            Policy::template qk<HD, BLOCK_C, LD, LD>(sV + 16 * warp * LD, sdO, dpt); // dP^T = V dO^T
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = r0 + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
+                    const bool valid = i < i1 && j < j0 + keys_valid;
+                    const Acc raw = st[0][n][e];
+                    const Acc sc = valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
+                    const Acc pe = fast_exp2(sc - sLse[c]);  // P^T = exp(S^T - lse)
+                    Acc z = Acc(1);
+                    if (p.dropout_threshold != 0)
+                        z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold) ? dropout_scale
+                                                                                                        : Acc(0);
+                    Acc ds = pe * (dpt[0][n][e] * z - sDelta[c]);  // dS^T = P^T (dP^T z - D)
+                    if (bp.dbias != nullptr && chunk == 0 && ds != Acc(0)) {
+                        acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh + i * bp.db_si
+                                           + j * bp.db_sj,
+                                       ds);
+                    }
+                    if (p.has_softcap) {
+                        const Acc th = tanh_acc(raw * score.scale * score.inv_softcap);
+                        ds *= Acc(1) - th * th;
+                    }
+                    st[0][n][e] = pe * z;  // P' = P z
+                    dpt[0][n][e] = ds;
+                }
+            typename Policy::template PFrag<BLOCK_C> pf;
+            Policy::template pack_p<BLOCK_C>(st, pf);
+            Policy::template pv<BLOCK_C, CH, LD>(pf, sdO + c0, dv);  // dV += P'^T dO
+            Policy::template pack_p<BLOCK_C>(dpt, pf);
+            Policy::template pv<BLOCK_C, CH, LD>(pf, sQ + c0, dk);   // dK += dS^T Q
+        }
+    }
+    cp_async_wait<0>();
+
+    const i64 dk_off = (packed ? hv0.k_start * bp.dk_sr : b * bp.dk_sb) + hk * bp.dk_sh;
+    const i64 dv_off = (packed ? hv0.k_start * bp.dv_sr : b * bp.dv_sb) + hk * bp.dv_sh;
+    const Acc scale = static_cast<Acc>(p.scale);
+    const int k_cols = min(CH, bp.d_true - c0), v_cols = min(CH, p.dv - c0);
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const int j = r0 + 8 * x;
+        if (j >= frame_keys) continue;
+        const bool live = j < hv0.kv_len;
+        T* krow = static_cast<T*>(bp.dk) + dk_off + j * bp.dk_sr + c0;
+        T* vrow = static_cast<T*>(bp.dv) + dv_off + j * bp.dv_sr + c0;
+#pragma unroll
+        for (int n = 0; n < NC; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int col = 8 * n + 2 * t + c;
+                if (col < k_cols) krow[col] = static_cast<T>(live ? dk[0][n][2 * x + c] * scale : Acc(0));
+                if (col < v_cols) vrow[col] = static_cast<T>(live ? dv[0][n][2 * x + c] : Acc(0));
+            }
+    }
+}
+
+}  // namespace flash

@@ -1,0 +1,31 @@
+// The parameter block of the backward kernels: the forward's Params plus the gradient
+// arrays. flashcupy/cuda/params.py mirrors it (BWD_PARAMS_DTYPE); its size is checked.
+#pragma once
+
+#include "flash_params.cuh"
+
+namespace flash {
+
+struct BwdParams {
+    Params f;                  // the forward problem (q, k, v, lse, options)
+    const void* dout;          // like out: (B, Hq, Lq, Dv) or (Hq, total_q, Dv), 16-byte aligned rows
+    const void* out;
+    void* delta;               // rowsum(dO * O), laid out like lse (accumulator dtype)
+    void* dq;                  // like q (contiguous), q's dtype
+    void* dk;                  // like k
+    void* dv;                  // like v
+    void* dbias;               // accumulator-dtype buffer, strided by db_* (0 on reduced dims); or nullptr
+    i64 do_sb, do_sh, do_sr;
+    i64 out_sb, out_sh, out_sr;
+    i64 dq_sb, dq_sh, dq_sr;
+    i64 dk_sb, dk_sh, dk_sr;
+    i64 dv_sb, dv_sh, dv_sr;
+    i64 db_sb, db_sh, db_si, db_sj;
+    i32 d_true;                // q's (and dq's) head dim: the columns dq and dk have
+};
+
+#ifdef FLASH_BWD_PARAMS_SIZE
+static_assert(sizeof(BwdParams) == FLASH_BWD_PARAMS_SIZE, "BwdParams layout differs from flashcupy/cuda/params.py");
+#endif
+
+}  // namespace flash
