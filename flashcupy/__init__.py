@@ -8,6 +8,7 @@ from .api import (
     flash_attention_varlen,
     flash_attention_vjp,
 )
+from .precompile import precompile
 from .reference import attention_reference
 
 __version__ = "0.1.0"
@@ -20,4 +21,5 @@ __all__ = [
     "flash_attention_forward",
     "flash_attention_varlen",
     "flash_attention_vjp",
+    "precompile",
 ]

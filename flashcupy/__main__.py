@@ -1,9 +1,18 @@
 """Command line: ``python -m flashcupy <command>``.
 
 Commands:
-    demo    run flash_attention on random inputs, check it against the float64
-            reference with the tolerance rule of the design (section 4), time it.
-            Exit status 1 when the check fails.
+    demo        run flash_attention on random inputs, check it against the float64
+                reference with the tolerance rule of the design (section 4), time it.
+                Exit status 1 when the check fails.
+    info        versions (flashcupy, Python, NumPy, SciPy, ml_dtypes, CuPy, CUDA, NVRTC),
+                the GPUs, the kernel sources and CuPy's kernel cache, which kernel path
+                each dtype takes here, and the compile times recorded by precompile.
+    check       a short self-test: small problems of every dtype and the main options,
+                forward and backward, against the float64 reference. Exit status 1 on
+                any failure.
+    precompile  compile the CUDA kernels ahead of first use (flashcupy.precompile).
+    bench       run bench/bench_attention.py from a source checkout, passing the
+                remaining arguments through. Exit status 2 when the script is missing.
 """
 
 from __future__ import annotations

@@ -46,6 +46,22 @@ def _prepare(q: Any, k: Any, v: Any, options: dict[str, Any], backend: str | Non
     return make_device_problem(q, k, v, options), restore, backend
 
 
+def _compute(q: Any, k: Any, v: Any, options: dict[str, Any], run: Callable):
+    """(pb, restore, backend, run(pb, backend)) on the backend _prepare picks; with
+    backend='auto', on the CPU instead when no CUDA kernel fits this GPU (huge head dims in
+    float64 on small-shared-memory GPUs)."""
+    from .cuda.spec import NoKernelError
+
+    pb, restore, backend = _prepare(q, k, v, options)
+    try:
+        return pb, restore, backend, run(pb, backend)
+    except NoKernelError:
+        if options.get("backend", OPTION_DEFAULTS["backend"]) != "auto":
+            raise
+    pb, restore, backend = _prepare(q, k, v, options, "cpu")
+    return pb, restore, backend, run(pb, backend)
+
+
 def _squeeze(pb: Problem, x):
     """Drop the head axis added for 2-D inputs."""
     return x[0] if pb.squeeze_head else x
@@ -60,9 +76,10 @@ def _run_forward(pb: Problem, backend: str):
     return cpu.forward(pb)
 
 
-def _forward(pb: Problem, restore: Callable, backend: str):
-    out, lse = _run_forward(pb, backend)
-    return restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))
+def _forward(q: Any, k: Any, v: Any, options: dict[str, Any]):
+    """(pb, out, lse) with out and lse in the caller's kind and layout."""
+    pb, restore, _, (out, lse) = _compute(q, k, v, options, _run_forward)
+    return pb, restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))
 
 
 def _run_backward(pb: Problem, backend: str, dout: Any, out: Any, lse: Any, bias_grad: bool, deterministic: bool):
@@ -156,8 +173,7 @@ def flash_attention(
         never NaN.
     """
     options = {name: value for name, value in locals().items() if name not in ("q", "k", "v")}
-    pb, restore, backend = _prepare(q, k, v, _with_seed(options))
-    out, lse = _forward(pb, restore, backend)
+    pb, out, lse = _forward(q, k, v, _with_seed(options))
     return (out, lse) if pb.return_lse else out
 
 
@@ -167,8 +183,8 @@ def flash_attention_forward(q: Any, k: Any, v: Any, **options: Any):
     Takes the keyword options of ``flash_attention``; ``seed`` is required when
     ``dropout_p > 0`` so that the backward can regenerate the mask.
     """
-    pb, restore, backend = _prepare(q, k, v, _with_seed(options, required=True))
-    return _forward(pb, restore, backend)
+    _, out, lse = _forward(q, k, v, _with_seed(options, required=True))
+    return out, lse
 
 
 def flash_attention_backward(
@@ -201,8 +217,9 @@ def flash_attention_backward(
             raise TypeError(f"{name}: expected a bool, received {flag!r}")
     if bias_grad and options.get("bias") is None:
         raise ValueError("bias_grad: expected a bias to differentiate, received bias=None")
-    pb, restore, backend = _prepare(q, k, v, options)
-    dq, dk, dv, dbias = _run_backward(pb, backend, dout, out, lse, bias_grad, deterministic)
+    pb, restore, _, (dq, dk, dv, dbias) = _compute(
+        q, k, v, options, lambda pb, backend: _run_backward(pb, backend, dout, out, lse, bias_grad, deterministic)
+    )
     grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
     return grads + (restore(dbias),) if bias_grad else grads
 
@@ -215,13 +232,14 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
     ``return_lse=True`` makes the first result ``(out, lse)``.
     """
     options = _with_seed(options)
-    pb, restore, backend = _prepare(q, k, v, options)
-    out, lse = _run_forward(pb, backend)
+    pb, restore, _, (out, lse) = _compute(q, k, v, options, _run_forward)
 
     def vjp(dout: Any):
         """(dq, dk, dv[, dbias]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
-        dq, dk, dv, dbias = _run_backward(
-            pb, backend, dout, _squeeze(pb, out), _squeeze(pb, lse), pb.bias is not None, False
+        _, _, _, (dq, dk, dv, dbias) = _compute(
+            q, k, v, options,
+            lambda pbb, backend: _run_backward(pbb, backend, dout, _squeeze(pb, out), _squeeze(pb, lse),
+                                               pb.bias is not None, False),
         )
         grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
         return grads + (restore(dbias),) if pb.bias is not None else grads

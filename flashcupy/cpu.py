@@ -168,9 +168,9 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 o_acc *= alpha[:, None]
                 o_acc += p @ v[j0:j1]  # O += P V
                 m = m_new
-            live = l > 0  # l = 0 only when every score of the row was masked
+            live = l != 0  # l = 0 only when every score of the row was masked; NaN stays live
             inv_l = np.where(live, 1.0 / np.where(live, l, 1), 0).astype(acc)
-            o[i0:i1] = (o_acc * inv_l[:, None]).astype(pb.dtype)
+            o[i0:i1] = np.where(live[:, None], o_acc * inv_l[:, None], 0).astype(pb.dtype)
             with np.errstate(divide="ignore"):
                 lse_seg[i0:i1] = np.where(live, m + np.log(l), -np.inf)  # natural-log lse
     return out, lse

@@ -28,6 +28,19 @@ def _on_cpu_dlpack(x: Any) -> bool:
         return False
 
 
+def _has(x: Any, attr: str) -> bool:
+    """hasattr that survives properties raising anything (torch's __cuda_array_interface__
+    raises for tensors requiring grad, and for dtypes it cannot describe)."""
+    try:
+        return hasattr(x, attr)
+    except Exception:  # a property that raises: treat as absent
+        return False
+
+
+def _gpu_dlpack(x: Any) -> bool:
+    return _has(x, "__dlpack__") and _has(x, "__dlpack_device__") and not _on_cpu_dlpack(x)
+
+
 def _cupy():
     try:
         import cupy
@@ -52,28 +65,27 @@ def to_numpy(x: Any) -> np.ndarray:
             raise TypeError(
                 f"cannot read a {type(x).__name__} of dtype {getattr(x, 'dtype', '?')} through DLPack: {exc}"
             ) from exc
-    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
-        return _cupy().asarray(x).get()
+    if _has(x, "__cuda_array_interface__") or _has(x, "__dlpack__"):
+        return to_device(x).get()
     return np.asarray(x)
 
 
 def is_gpu_array(x: Any) -> bool:
     """True for CuPy arrays and any array whose data lives on a CUDA device."""
-    if _is_cupy(x) or hasattr(x, "__cuda_array_interface__"):
-        return True
-    return hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__") and not _on_cpu_dlpack(x)
+    return _is_cupy(x) or _gpu_dlpack(x) or _has(x, "__cuda_array_interface__")
 
 
 def to_device(x: Any):
     """A CuPy array with ``x``'s data: zero copy for CuPy, CUDA-interface and GPU DLPack arrays,
-    a host-to-device copy for host arrays (on CuPy's current device)."""
+    a host-to-device copy for host arrays (on CuPy's current device). DLPack comes first:
+    it carries bfloat16 (the CUDA array interface describes it only as raw bytes)."""
     cupy = _cupy()
     if _is_cupy(x):
         return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
-    if hasattr(x, "__dlpack__") and not _on_cpu_dlpack(x):
+    if _gpu_dlpack(x):
         return cupy.from_dlpack(x)
+    if _has(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
     return cupy.asarray(to_numpy(x))
 
 
@@ -86,7 +98,7 @@ def _namespace(x: Any):
 
 def restorer(x: Any) -> Callable[[Any], Any]:
     """A function turning a NumPy or CuPy result back into ``x``'s array kind (and place)."""
-    if isinstance(x, np.ndarray) or not (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
+    if isinstance(x, np.ndarray) or not (_has(x, "__dlpack__") or _has(x, "__cuda_array_interface__")):
         return to_numpy
     if _is_cupy(x):
         cupy = _cupy()

@@ -440,6 +440,10 @@ def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) 
     for name, dim in (("q", d), ("v", dv)):
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: expected a head dim in 1..{MAX_HEAD_DIM}, received {dim}")
+    if math.prod(batch_q) * hq >= 2**31:
+        raise ValueError(
+            f"q: expected fewer than 2**31 (batch x heads) slices, received {math.prod(batch_q) * hq}"
+        )
     if hk == 0 or hq % hk:
         raise ValueError(
             f"k: expected a number of heads dividing q's {hq} (GQA/MQA), received {hk}"

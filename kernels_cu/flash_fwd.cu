@@ -274,7 +274,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         const int i = r0 + 8 * r;
         if (i >= frame_rows) continue;
-        const bool live = i < hv.q_len && l[r] > Acc(0);
+        // l = 0: every key of the row was masked. A NaN l (NaN inputs) stays live and NaN.
+        const bool live = i < hv.q_len && !(l[r] == Acc(0));
         const Acc inv = live ? static_cast<Acc>(p.dropout_scale) / l[r] : Acc(0);
         T* orow = gO + i * p.o_sr;
 #pragma unroll
@@ -282,7 +283,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int col = 8 * n + 2 * t + c;
-                if (col < dv_valid) orow[col] = static_cast<T>(o[r >> 1][n][2 * (r & 1) + c] * inv);
+                // A select, not a product: 0 * NaN from masked NaN values must not reach a dead row.
+                if (col < dv_valid) orow[col] = static_cast<T>(live ? o[r >> 1][n][2 * (r & 1) + c] * inv : Acc(0));
             }
         }
         if (chunk == 0 && t == 0) {

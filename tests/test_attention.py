@@ -270,3 +270,15 @@ def test_block_mask_skips_whole_tiles() -> None:
     assert np.isfinite(out).all()
     ref = fc.attention_reference(case.q, np.delete(k, range(16, 32), 1), np.delete(v, range(16, 32), 1))
     np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-13)
+
+
+def test_nan_row_has_nan_lse_and_fully_masked_row_ignores_nan_values() -> None:
+    case = _case((1, 8, 16), (1, 8, 16), dtype=F32)
+    q, v = case.q.copy(), case.v.copy()
+    q[0, 3, 0] = np.nan
+    v[0, 5] = np.nan
+    mask = np.ones((8, 8), bool)
+    mask[6] = False
+    mask[6, 5] = False
+    out, lse = fc.flash_attention(q, case.k, v, mask=mask, return_lse=True, backend="cpu")
+    assert np.isnan(lse[0, 3]) and lse[0, 6] == -np.inf and np.all(out[0, 6] == 0)

@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import flashcupy as fc
-from flashcupy import rng
+from flashcupy import reference, rng
 from support import (
     BF16, F16, F32, F64, FLOOR, Case, assert_rule, cancelling_terms, cases, cu_seqlens, padded_to_packed,
 )
@@ -281,3 +281,62 @@ def test_float64_gradients_match_central_finite_differences() -> None:
             numeric[idx] = (hi - loss()) / 2e-6
             x[idx] = orig
         np.testing.assert_allclose(g, numeric, rtol=1e-6, atol=1e-8)
+
+
+# --------------------------------------------------------------------------- review regressions
+
+
+def test_batch_dims_that_do_not_merge_into_one_stride() -> None:
+    """k broadcast over a batch dim and q with permuted batch dims: copied once, read right."""
+    rs = np.random.default_rng(5)
+    q0 = rs.standard_normal((3, 2, 2, 40, 32)).astype(np.float32)
+    k0 = rs.standard_normal((2, 1, 2, 50, 32)).astype(np.float32)
+    v = rs.standard_normal((2, 3, 2, 50, 32)).astype(np.float32)
+    q = cupy.asarray(q0).transpose(1, 0, 2, 3, 4)  # (2, 3, ...) with non-mergeable strides
+    k = cupy.broadcast_to(cupy.asarray(k0), (2, 3, 2, 50, 32))
+    ref = fc.attention_reference(q0.transpose(1, 0, 2, 3, 4), np.broadcast_to(k0, (2, 3, 2, 50, 32)), v, causal=True)
+    out = fc.flash_attention(q, k, cupy.asarray(v), causal=True, backend="cuda").get()
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    out, lse = fc.flash_attention_forward(q, k, cupy.asarray(v), causal=True, backend="cuda")
+    dout = cupy.asarray(rs.standard_normal(out.shape).astype(np.float32))
+    grads = fc.flash_attention_backward(dout, q, k, cupy.asarray(v), out, lse, causal=True, backend="cuda")
+    ref_grads = reference.attention_reference_backward(
+        dout.get(), q0.transpose(1, 0, 2, 3, 4), np.broadcast_to(k0, (2, 3, 2, 50, 32)), v, causal=True)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g.get(), r, rtol=1e-4, atol=1e-5)
+
+
+def test_backward_accepts_out_with_a_strided_last_axis() -> None:
+    case = _case((2, 2, 30, 16), (2, 2, 30, 16), dtype=F32)
+    q, k, v, dout = (cupy.asarray(x) for x in (case.q, case.k, case.v, case.dout))
+    out, lse = fc.flash_attention_forward(q, k, v, backend="cuda")
+    fortran = cupy.asfortranarray(out)
+    a = fc.flash_attention_backward(dout, q, k, v, fortran, lse, backend="cuda")
+    b = fc.flash_attention_backward(dout, q, k, v, out, lse, backend="cuda")
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.get(), y.get())
+
+
+def test_torch_bfloat16_cuda_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = fc.flash_attention(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+def test_nan_row_has_nan_lse_and_masked_nan_values_stay_out() -> None:
+    case = _case((1, 1, 8, 16), (1, 1, 8, 16), dtype=F32)
+    q, v = case.q.copy(), case.v.copy()
+    q[0, 0, 3, 0] = np.nan
+    v[0, 0, 5] = np.nan  # key 5 is masked for every row below
+    mask = np.ones((8, 8), bool)
+    mask[:, 5] = False
+    mask[6] = False  # row 6 sees nothing: 0 and -inf, never NaN
+    out, lse = fc.flash_attention(cupy.asarray(q), cupy.asarray(case.k), cupy.asarray(v), mask=cupy.asarray(mask),
+                                  return_lse=True, backend="cuda")
+    out, lse = out.get(), lse.get()
+    assert np.isnan(lse[0, 0, 3]) and np.isnan(out[0, 0, 3]).all()
+    assert lse[0, 0, 6] == -np.inf and np.all(out[0, 0, 6] == 0)
+    assert np.isfinite(np.delete(out[0, 0], [3], axis=0)).all()

@@ -67,19 +67,29 @@ def _empty(shape, dtype, xp):
     return xp.full(shape, np.nan, dtype=dtype) if poison_outputs else xp.empty(shape, dtype=dtype)
 
 
-def _rows_fields(pb: Problem, arrays: dict[str, Any], xp) -> dict[str, int]:
-    """Strides (elements) of row-major operands named by their Params prefix: batch, head, row.
+def _rows(pb: Problem, x, xp):
+    """A row operand as the kernels read it: contiguous last axis, 16-byte aligned rows (one
+    padded copy if not) and, for padded problems, the batch dims merged into one (a copy
+    where strides do not allow a view). Pointer and strides must both come from this array."""
+    x = _aligned_rows(_last_axis_contiguous(x, xp), xp)
+    return x if pb.varlen else _merge_batch(x, pb.batch, xp)
 
-    Padded problems merge the batch dims (a view where strides allow); packed ones have no
-    batch stride. ``arrays`` maps a prefix ('q', 'do', ...) to its array in internal layout.
-    """
+
+def _rows_fields(pb: Problem, arrays: dict[str, Any]) -> dict[str, int]:
+    """Strides (elements) of operands prepared by :func:`_rows` (or allocated contiguous and
+    merged), named by their Params prefix: batch, head, row (packed problems: head, row)."""
     fields = {}
     for name, x in arrays.items():
         if pb.varlen:
             fields[f"{name}_sh"], fields[f"{name}_sr"] = _elem_strides(x)[:2]
         else:
-            fields[f"{name}_sb"], fields[f"{name}_sh"], fields[f"{name}_sr"] = _elem_strides(_merge_batch(x, pb.batch, xp))[:3]
+            fields[f"{name}_sb"], fields[f"{name}_sh"], fields[f"{name}_sr"] = _elem_strides(x)[:3]
     return fields
+
+
+def _merged(pb: Problem, x, xp):
+    """An output allocated contiguous, seen with merged batch dims (always a view)."""
+    return x if pb.varlen else _merge_batch(x, pb.batch, xp)
 
 
 def _grid(blocks: int, heads: int) -> tuple[int, int, int]:
@@ -91,7 +101,7 @@ def _grid(blocks: int, heads: int) -> tuple[int, int, int]:
 def _problem_params(pb: Problem, q, k, v, out, lse, xp) -> tuple[np.void, list]:
     """The Params block of a problem whose (aligned, last-axis contiguous) operands are given,
     and the device arrays it points into that must outlive the launch."""
-    fields: dict[str, Any] = _rows_fields(pb, {"q": q, "k": k, "v": v, "o": out}, xp)
+    fields: dict[str, Any] = _rows_fields(pb, {"q": q, "k": k, "v": v, "o": _merged(pb, out, xp)})
     keep_alive = []  # device copies the launch reads; CuPy reuses freed memory only for later work
     if pb.varlen:
         fields["lse_sh"] = _elem_strides(lse)[0]
@@ -136,8 +146,8 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp) -> tuple[np.void, list]:
 
 
 def _operands(pb: Problem, xp):
-    """q, k, v with a contiguous last axis and 16-byte aligned rows (one padded copy if not)."""
-    return tuple(_aligned_rows(_last_axis_contiguous(x, xp), xp) for x in (pb.q, pb.k, pb.v))
+    """q, k, v as the kernels read them (see :func:`_rows`)."""
+    return tuple(_rows(pb, x, xp) for x in (pb.q, pb.k, pb.v))
 
 
 def forward(pb: Problem) -> tuple[Any, Any]:
@@ -197,14 +207,15 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         spec = select_backward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32)
         acc = accumulator_dtype(pb.dtype)
         q, k, v = _operands(pb, xp)
-        dout = _aligned_rows(_last_axis_contiguous(dout, xp), xp)
+        dout, out = _rows(pb, dout, xp), _rows(pb, out, xp)
         lse = xp.ascontiguousarray(lse, dtype=acc)
         delta = xp.empty(pb.lse_shape, dtype=acc)
         dq = _empty(pb.q.shape, pb.dtype, xp)
         dk = _empty(pb.k.shape, pb.dtype, xp)
         dv = _empty(pb.v.shape, pb.dtype, xp)
         params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp)
-        fields = _rows_fields(pb, {"do": dout, "out": out, "dq": dq, "dk": dk, "dv": dv}, xp)
+        fields = _rows_fields(pb, {"do": dout, "out": out, **{n: _merged(pb, g, xp) for n, g in
+                                                              (("dq", dq), ("dk", dk), ("dv", dv))}})
         finish_dbias = None
         if bias_grad:
             dbias_view, finish_dbias = _dbias_buffer(pb, deterministic, xp)

@@ -47,6 +47,10 @@ POLICIES = {
 FORCE_PORTABLE_ENV = "FLASHCUPY_FORCE_PORTABLE"
 
 
+class NoKernelError(RuntimeError):
+    """No tile shape of the needed kernel fits this GPU (``backend='auto'`` then uses the CPU)."""
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One forward kernel instantiation and its launch shape."""
@@ -136,7 +140,7 @@ def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allo
         spec = KernelSpec(dtype, policy, hd, dv_tile, block_n, warps, full, 2 if hd <= 64 else 1)
         if spec.smem_bytes <= smem_limit:
             return spec
-    raise RuntimeError(
+    raise NoKernelError(
         f"no {dtype} kernel for head dims ({d}, {dv}) fits this GPU's {smem_limit // 1024} KiB of shared "
         f"memory per block (it needs {spec.smem_bytes // 1024} KiB); use backend='cpu'"
     )
@@ -205,11 +209,13 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     hd = head_dim_bucket(max(d, dv))
     wide = dtype == "float64"
     tiles = ((64, 16), (32, 16), (16, 16)) if wide else ((64, 32), (64, 16), (32, 16), (16, 16))
+    if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
+        tiles += ((16, 8),)
     for block_r, block_c in tiles:
         spec = BackwardSpec(dtype, policy, hd, min(hd, 32 if wide else 64), block_r, block_c)
         if spec.smem_bytes <= smem_limit:
             return spec
-    raise RuntimeError(
+    raise NoKernelError(
         f"no {dtype} backward kernel for head dims ({d}, {dv}) fits this GPU's {smem_limit // 1024} KiB of "
         f"shared memory per block (it needs {spec.smem_bytes // 1024} KiB); use backend='cpu'"
     )
@@ -224,7 +230,7 @@ def all_backward_specs(arch: int) -> list[BackwardSpec]:
                 for portable in (False, True):
                     try:
                         specs.add(select_backward(dtype, bucket, bucket, arch, ARCH_SMEM[arch], allow_tf32, portable))
-                    except RuntimeError:
+                    except NoKernelError:
                         pass
     return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r, s.block_c))
 
@@ -245,6 +251,6 @@ def all_forward_specs(arch: int) -> list[KernelSpec]:
                             try:
                                 specs.add(select_forward(dtype, bucket, dv, arch, ARCH_SMEM[arch], allow_tf32,
                                                          portable, full))
-                            except RuntimeError:
+                            except NoKernelError:
                                 pass
     return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_n, s.num_warps))
