@@ -18,9 +18,13 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import ml_dtypes
@@ -131,6 +135,399 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# --------------------------------------------------------------------------- info
+
+#: What each warp policy of flashcupy.cuda.spec is, for ``info``.
+POLICY_DESCRIPTIONS = {
+    "mma16": "tensor cores (mma.sync m16n8k16)",
+    "tf32": "TF32 tensor cores",
+    "dmma": "FP64 tensor cores (DMMA)",
+    "simt": "SIMT (CUDA-core FMA)",
+}
+
+
+def _version(module_name: str) -> str:
+    try:
+        module = __import__(module_name)
+    except ImportError:
+        return "not installed"
+    except Exception as exc:  # an installed but broken package
+        return f"not importable ({type(exc).__name__}: {exc})"
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def _cuda_version(number: int) -> str:
+    """12090 -> '12.9'."""
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def _attempt(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"unavailable ({type(exc).__name__}{': ' + first if first else ''})"
+
+
+def _dir_size(path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _gpus() -> tuple[list[dict[str, Any]], str | None]:
+    """(one dict per visible GPU, None) or ([], why there is none)."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except ImportError:
+        return [], "CuPy is not installed"
+    except Exception as exc:
+        return [], f"{type(exc).__name__}: {exc}"
+    gpus = []
+    for i in range(count):
+        props = cupy.cuda.runtime.getDeviceProperties(i)
+        name = props["name"]
+        gpus.append({
+            "index": i,
+            "name": name.decode() if isinstance(name, bytes) else str(name),
+            "compute_capability": f"{props['major']}.{props['minor']}",
+            "arch": 10 * props["major"] + props["minor"],
+            "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+            "sms": int(props["multiProcessorCount"]),
+            "smem_optin_kib": int(props["sharedMemPerBlockOptin"]) // 1024,
+        })
+    return gpus, None if gpus else "no CUDA device visible"
+
+
+def kernel_paths(arch: int | None) -> dict[str, str]:
+    """Which kernel path each dtype takes on a GPU of compute capability ``arch`` (None: no GPU)."""
+    from flashcupy.cuda.spec import force_portable, policy_for
+
+    paths = {}
+    for label, dtype, tf32 in [(name, name, False) for name in DTYPES] + [("float32 allow_tf32", "float32", True)]:
+        if arch is None:
+            paths[label] = "cpu backend"
+        else:
+            policy = policy_for(dtype, arch, tf32, force_portable())
+            paths[label] = f"{policy}: {POLICY_DESCRIPTIONS[policy]}"
+    return paths
+
+
+def collect_info() -> dict[str, Any]:
+    """Everything ``info`` prints, as plain data (``info --json`` prints it as JSON)."""
+    import platform
+
+    from flashcupy.cuda import compile as cc
+    from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, force_portable
+    from flashcupy.precompile import cache_dir, load_records, record_path
+
+    info: dict[str, Any] = {
+        "flashcupy": flashcupy.__version__,
+        "flashcupy_location": str(Path(flashcupy.__file__).resolve().parent),
+        "python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
+        "numpy": _version("numpy"),
+        "scipy": _version("scipy"),
+        "ml_dtypes": _version("ml_dtypes"),
+        "cupy": _version("cupy"),
+    }
+    if not info["cupy"][:1].isdigit():
+        info.update(cuda_runtime="unavailable (no CuPy)", cuda_driver="unavailable (no CuPy)",
+                    nvrtc="unavailable (no CuPy)")
+    else:
+        from cupy.cuda import nvrtc, runtime
+
+        info["cuda_runtime"] = _attempt(lambda: _cuda_version(runtime.runtimeGetVersion()))
+        info["cuda_driver"] = _attempt(
+            lambda: _cuda_version(v) if (v := runtime.driverGetVersion()) else "none (no CUDA driver)")
+        info["nvrtc"] = _attempt(lambda: ".".join(map(str, nvrtc.getVersion())))
+    gpus, why = _gpus()
+    info["gpus"] = gpus
+    info["no_gpu_reason"] = why
+    info["kernel_dir"] = _attempt(lambda: str(cc.kernel_dir()))
+    info["kernel_source_hash"] = _attempt(cc.source_hash)
+    info["cuda_include_dirs"] = _attempt(lambda: list(cc.cuda_include_dirs()))
+    cache = cache_dir()
+    info["kernel_cache_dir"] = str(cache)
+    info["kernel_cache_mib"] = round(_dir_size(cache) / 2**20, 1) if cache.is_dir() else None
+    usable = bool(gpus) and cuda_backend_available()
+    info["force_portable"] = f"{FORCE_PORTABLE_ENV}={'1' if force_portable() else 'unset/0'}"
+    info["kernel_paths_device"] = f"GPU 0 ({gpus[0]['name']}, sm_{gpus[0]['arch']})" if usable else "no GPU"
+    info["kernel_paths"] = kernel_paths(gpus[0]["arch"] if usable else None)
+    info["compile_record_path"] = str(record_path())
+    info["compile_records"] = load_records()
+    return info
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    row = lambda label, value: print(f"  {label:<22} {value}")  # noqa: E731
+    print(f"flashcupy {info['flashcupy']}  ({info['flashcupy_location']})")
+    print("versions:")
+    for key, label in (("python", "Python"), ("numpy", "NumPy"), ("scipy", "SciPy"), ("ml_dtypes", "ml_dtypes"),
+                       ("cupy", "CuPy"), ("cuda_runtime", "CUDA runtime (CuPy)"),
+                       ("cuda_driver", "CUDA driver"), ("nvrtc", "NVRTC")):
+        row(label, info[key])
+    print("GPUs:")
+    if not info["gpus"]:
+        row("none", info["no_gpu_reason"])
+    for g in info["gpus"]:
+        print(f"  [{g['index']}] {g['name']}: compute capability {g['compute_capability']}, "
+              f"{g['memory_gib']} GiB, {g['sms']} SMs, {g['smem_optin_kib']} KiB shared memory per block (opt-in)")
+    print("kernels:")
+    row("sources", info["kernel_dir"])
+    row("source hash", info["kernel_source_hash"])
+    includes = info["cuda_include_dirs"]
+    row("CUDA headers", ", ".join(includes) if isinstance(includes, list) and includes else
+        includes if not isinstance(includes, list) else "none found (CuPy's own include path only)")
+    size = info["kernel_cache_mib"]
+    row("CuPy kernel cache", f"{info['kernel_cache_dir']} ({'absent' if size is None else f'{size} MiB'})")
+    print(f"which kernel path each dtype takes here ({info['kernel_paths_device']}; {info['force_portable']}):")
+    for label, path in info["kernel_paths"].items():
+        row(label, path)
+    records = info["compile_records"]
+    if not records:
+        print(f"compile times: none recorded (python -m flashcupy precompile records them in "
+              f"{info['compile_record_path']})")
+        return
+    print(f"compile times recorded by precompile ({info['compile_record_path']}):")
+    for key, rec in sorted(records.items()):
+        kernels = rec.get("kernels", {})
+        current = rec.get("source_hash") == info["kernel_source_hash"]
+        print(f"  {key}: {len(kernels)} kernels, last run {rec.get('date', '?')}: {rec.get('wall_seconds', 0):.1f} s "
+              f"with {rec.get('workers', '?')} threads (flashcupy {rec.get('flashcupy', '?')}, sources "
+              f"{rec.get('source_hash', '?')}{'' if current else ', not the current sources'})")
+        ranked = sorted(kernels.items(), key=lambda item: -item[1])
+        for name, seconds in ranked[:10]:
+            print(f"    {seconds:7.2f} s  {name}")
+        if len(ranked) > 10:
+            print(f"    ... {len(ranked) - 10} more, {sum(s for _, s in ranked[10:]):.1f} s in all")
+
+
+def info(args: argparse.Namespace) -> int:
+    data = collect_info()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        _print_info(data)
+    return 0
+
+
+# --------------------------------------------------------------------------- check
+
+
+def cancelling_terms(q: np.ndarray, k: np.ndarray, dout: np.ndarray, out_ref: np.ndarray,
+                     scale: float | None) -> dict[str, float]:
+    """Magnitudes of the terms that cancel in dS = P (dP - D), per gradient (the ``magnitude``
+    of :func:`flashcupy.reference.tolerance`; as tests/support.py's ``cancelling_terms``)."""
+    t = float(np.max(np.sum(np.abs(np.asarray(dout, np.float64)) * np.abs(out_ref), axis=-1), initial=0.0))
+    s = abs(scale or 1.0 / np.sqrt(q.shape[-1]))
+    big = lambda x: float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))  # noqa: E731
+    return {"dq": s * t * big(k), "dk": s * t * big(q), "dv": 0.0, "dbias": t}
+
+
+def compare(ours: Any, ref: np.ndarray, naive: np.ndarray, dtype: Any,
+            magnitude: float = 0.0) -> tuple[float, float, str]:
+    """(max error, bound, problem or '') of one result under the tolerance rule: the same shape
+    and non-finite pattern as the reference, max |ours - ref| <= reference.tolerance, and
+    below 1e-9 for float64."""
+    ours = np.asarray(interop.to_numpy(ours), dtype=np.float64)
+    if ours.shape != ref.shape:
+        return float("nan"), 0.0, f"shape {ours.shape} != {ref.shape}"
+    finite = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(ours), finite) or not np.array_equal(ours[~finite], ref[~finite]):
+        return float("nan"), 0.0, "non-finite entries differ from the reference"
+    if not finite.any():
+        return 0.0, 0.0, ""
+    err = float(np.max(np.abs(ours[finite] - ref[finite])))
+    bound = reference.tolerance(ref, naive, dtype, magnitude)
+    if np.dtype(dtype) == DTYPES["float64"]:
+        bound = min(bound, 1e-9)
+    return err, bound, "" if err <= bound else "error above the bound"
+
+
+def _check_case(label: str, dtype: np.dtype, shape_q: tuple, shape_kv: tuple, dv: int | None = None,
+                **options: Any) -> dict[str, Any]:
+    """Inputs of one self-test case (seeded by its label)."""
+    rs = np.random.default_rng(sum(label.encode()) + 7 * len(label))
+    dv = shape_kv[-1] if dv is None else dv
+    q = rs.standard_normal(shape_q).astype(dtype)
+    k = rs.standard_normal(shape_kv).astype(dtype)
+    v = rs.standard_normal(shape_kv[:-1] + (dv,)).astype(dtype)
+    dout = rs.standard_normal(shape_q[:-1] + (dv,)).astype(dtype)
+    scores = shape_q[:-1] + (shape_kv[-2],)
+    if options.get("mask") is True:
+        options["mask"] = rs.random(scores) < 0.7
+    if options.get("bias") is not None:  # True: the input dtype, else the dtype named
+        bias_dtype = dtype if options["bias"] is True else np.dtype(options["bias"])
+        options["bias"] = rs.standard_normal(scores).astype(bias_dtype)
+    return {"label": label, "q": q, "k": k, "v": v, "dout": dout, "options": options}
+
+
+def check_cases() -> list[dict[str, Any]]:
+    """The self-test: every dtype plain, then causal, mask, bias, dropout, GQA and varlen."""
+    f16, bf16, f32, f64 = (DTYPES[n] for n in ("float16", "bfloat16", "float32", "float64"))
+    cu_q = np.array([0, 23, 23, 80], np.int32)  # three sequences, one of them empty
+    cu_k = np.array([0, 31, 40, 96], np.int32)
+    cases = [_check_case(f"{dt.name} plain", dt, (2, 2, 37, 64), (2, 2, 45, 64)) for dt in (f16, bf16, f32, f64)]
+    cases += [
+        _check_case("float16 causal", f16, (2, 2, 70, 64), (2, 2, 70, 64), causal=True),
+        _check_case("float32 causal, L = 1100 (several tiles)", f32, (1, 1, 1100, 64), (1, 1, 1100, 64), causal=True),
+        _check_case("float64 causal, Lq < Lk, Dv = 24", f64, (1, 2, 33, 64), (1, 2, 50, 64), dv=24, causal=True),
+        _check_case("bfloat16 mask", bf16, (2, 2, 37, 64), (2, 2, 45, 64), mask=True),
+        _check_case("float32 mask, window", f32, (1, 3, 40, 40), (1, 3, 52, 40), mask=True, window=(9, 3)),
+        _check_case("float32 bias (with dbias)", f32, (2, 2, 37, 64), (2, 2, 45, 64), bias=True),
+        _check_case("float16 float32-bias (with dbias), causal", f16, (1, 2, 48, 64), (1, 2, 48, 64), bias="float32",
+                    causal=True),
+        _check_case("float32 dropout", f32, (2, 2, 37, 64), (2, 2, 45, 64), dropout_p=0.2, seed=1234),
+        _check_case("bfloat16 dropout, causal", bf16, (1, 2, 64, 64), (1, 2, 64, 64), dropout_p=0.3, seed=99,
+                    causal=True),
+        _check_case("float16 GQA 4:2", f16, (2, 4, 37, 64), (2, 2, 45, 64)),
+        _check_case("float64 GQA 4:1 (MQA), causal, dropout", f64, (1, 4, 30, 64), (1, 1, 30, 64), causal=True,
+                    dropout_p=0.1, seed=5),
+        _check_case("float32 varlen, causal", f32, (2, 80, 64), (2, 96, 64), causal=True,
+                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+        _check_case("bfloat16 varlen", bf16, (2, 80, 64), (2, 96, 64), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+        _check_case("float64 all: GQA bias mask softcap ALiBi window dropout", f64, (2, 4, 29, 40),
+                    (2, 2, 41, 40), causal=True, bias=True, mask=True, softcap=5.0, window=(20, 4),
+                    alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]), dropout_p=0.25, seed=2**40 + 3),
+    ]
+    return cases
+
+
+def run_check_case(case: dict[str, Any], backend: str) -> list[tuple[str, float, float, str]]:
+    """Forward and backward of one case on ``backend``; (result name, error, bound, problem) each."""
+    q, k, v, dout, options = case["q"], case["k"], case["v"], case["dout"], case["options"]
+    dtype = q.dtype
+    bias_grad = options.get("bias") is not None
+    out, lse = flashcupy.flash_attention_forward(q, k, v, backend=backend, **options)
+    grads = flashcupy.flash_attention_backward(dout, q, k, v, out, lse, bias_grad=bias_grad, backend=backend,
+                                               **options)
+    pb = make_host_problem(q, k, v, options)
+    refs = []
+    for compute in (np.float64, dtype):  # the reference, then naive attention in the input dtype
+        o, l = reference.forward(pb, compute)
+        refs.append(dict(out=o, lse=l, **dict(zip(("dq", "dk", "dv", "dbias"), reference.backward(pb, dout, compute)))))
+    ref, naive = refs
+    terms = cancelling_terms(q, k, dout, ref["out"], options.get("scale"))
+    ours = dict(zip(("out", "lse", "dq", "dk", "dv", "dbias"), (out, lse) + tuple(grads)))
+    results = []
+    for name, x in ours.items():
+        floor_dtype = dtype
+        if name == "dbias":  # accumulated in float32, rounded like q's dtype or the bias's: the wider floor
+            floor_dtype = max(dtype, options["bias"].dtype, key=lambda d: reference.ROUNDING_FLOOR[np.dtype(d)])
+        results.append((name, *compare(x, ref[name], naive[name], floor_dtype, terms.get(name, 0.0))))
+    return results
+
+
+def check(args: argparse.Namespace) -> int:
+    backend = args.backend
+    if backend == "auto":
+        backend = "cuda" if cuda_backend_available() else "cpu"
+    if backend == "cuda" and not cuda_backend_available():
+        print("flashcupy check: --backend cuda, but no usable CUDA GPU here", file=sys.stderr)
+        return 1
+    where = f"cuda ({_gpu_name()})" if backend == "cuda" else "cpu"
+    print(f"flashcupy {flashcupy.__version__} check on {where}: forward and backward against the float64 "
+          f"reference (max error / bound)")
+    start = time.perf_counter()
+    if backend == "cuda" and not args.no_precompile:
+        from flashcupy.precompile import precompile
+
+        t0 = time.perf_counter()
+        times = precompile(head_dims=(64,), progress=sys.stderr.isatty())
+        print(f"precompiled {len(times)} kernels in {time.perf_counter() - t0:.1f} s")
+    failed = 0
+    cases = check_cases()
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            results = run_check_case(case, backend)
+        except Exception as exc:
+            results = [("error", float("nan"), 0.0, f"{type(exc).__name__}: {exc}")]
+        ok = all(not problem for *_, problem in results)
+        failed += not ok
+        worst = max(results, key=lambda r: (bool(r[3]), r[1] / r[2] if r[2] > 0 else float(r[1] > 0)))
+        name, err, bound, problem = worst
+        detail = f"worst {name} {err:.1e} / {bound:.1e}" + (f": {problem}" if problem else "")
+        print(f"{'PASS' if ok else 'FAIL'}  {case['label']:<56} {detail}  ({time.perf_counter() - t0:.2f} s)")
+        if not ok and args.verbose:
+            for name, err, bound, problem in results:
+                print(f"        {name:<6} {err:.3e} / {bound:.3e} {problem}")
+    total = time.perf_counter() - start
+    print(f"{len(cases) - failed} passed, {failed} failed on {where} in {total:.1f} s")
+    print("PASS" if not failed else "FAIL")
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------- precompile
+
+
+def precompile_command(args: argparse.Namespace) -> int:
+    from flashcupy.precompile import precompile, record_path
+
+    start = time.perf_counter()
+    try:
+        times = precompile(dtypes=args.dtypes, head_dims=args.head_dims, backward=not args.no_backward,
+                           device=args.device, allow_tf32=args.allow_tf32, progress=not args.no_progress,
+                           workers=args.workers)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        print(f"python -m flashcupy precompile: error: {exc}", file=sys.stderr)
+        return 1
+    wall = time.perf_counter() - start
+    print(f"compiled {len(times)} kernels in {wall:.1f} s (sum of per-kernel times {sum(times.values()):.1f} s); "
+          f"times recorded in {record_path()}")
+    for name, seconds in sorted(times.items(), key=lambda item: -item[1]):
+        print(f"  {seconds:7.2f} s  {name}")
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+
+BENCH_SCRIPT = Path("bench") / "bench_attention.py"
+
+
+def find_bench_script(roots: Sequence[Path] | None = None) -> Path | None:
+    """bench/bench_attention.py of a source checkout: beside the imported flashcupy package
+    (its parent directory is the checkout's root), else under the current directory.
+    None when neither has it (an installed wheel has no bench/)."""
+    if roots is None:
+        roots = [Path(flashcupy.__file__).resolve().parent.parent, Path.cwd()]
+    for root in roots:
+        script = Path(root) / BENCH_SCRIPT
+        if script.is_file():
+            return script
+    return None
+
+
+BENCH_MISSING = """\
+python -m flashcupy bench runs bench/bench_attention.py, which lives in flashcupy's source
+repository and is not part of the installed package (this flashcupy is at {location}, with
+no bench/ folder beside it, nor under the current directory {cwd}).
+To run the benchmarks, clone the flashcupy repository and, from its root:
+    python3 -m venv .venv && . .venv/bin/activate
+    pip install -e '.[cuda12,bench]' torch
+    python -m flashcupy bench --help          # or: python bench/bench_attention.py --help"""
+
+
+def bench(argv: Sequence[str], script: Path | None = None) -> int:
+    """Run the benchmark script with ``argv``; its exit status, or 2 when it is missing."""
+    script = script or find_bench_script()
+    if script is None:
+        print(BENCH_MISSING.format(location=Path(flashcupy.__file__).resolve().parent, cwd=Path.cwd()),
+              file=sys.stderr)
+        return 2
+    root = script.resolve().parent.parent
+    env = dict(os.environ)  # the script imports flashcupy: the checkout's own, as its docstring runs it
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return subprocess.call([sys.executable, str(script), *argv], env=env)
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -165,10 +562,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive, default=3, help="timed runs after the warm-up (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.set_defaults(func=demo)
+
+    p = commands.add_parser(
+        "info",
+        help="versions, GPUs, kernel sources and cache, which kernel path each dtype takes here",
+        description="flashcupy's version and location; Python, NumPy, SciPy, ml_dtypes and CuPy versions; "
+        "the CUDA runtime, driver and NVRTC versions (through CuPy); each visible GPU; the kernel sources, "
+        "their hash and CuPy's kernel cache; which kernel path each dtype takes on GPU 0 (or 'cpu "
+        "backend'); the compile times recorded by 'precompile'.",
+    )
+    p.add_argument("--json", action="store_true", help="print the same facts as JSON")
+    p.set_defaults(func=info)
+
+    p = commands.add_parser(
+        "check",
+        help="self-test: small problems of every dtype and option, forward and backward, vs the reference",
+        description="Small problems (every dtype; causal, mask, window, bias with dbias, dropout, GQA, "
+        "varlen, all together) through flash_attention_forward and flash_attention_backward on the GPU "
+        "when one is usable (else the CPU), each result checked against the float64 reference under the "
+        "tolerance rule of the tests (float64 within 1e-9). One PASS/FAIL line per case, then a summary; "
+        "exit status 1 on any failure.",
+    )
+    p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where to run (default auto: the GPU when usable, else the CPU)")
+    p.add_argument("--no-precompile", action="store_true",
+                   help="on a GPU, compile kernels lazily on first use instead of in parallel up front")
+    p.add_argument("--verbose", "-v", action="store_true", help="every result's error and bound for failing cases")
+    p.set_defaults(func=check)
+
+    p = commands.add_parser(
+        "precompile",
+        help="compile the CUDA kernels ahead of first use (flashcupy.precompile)",
+        description="Compile, in parallel threads, the forward (plain and full pipeline) and backward "
+        "kernels that calls with these dtypes and head dims select on the current GPU; the times are "
+        "recorded in CuPy's kernel cache directory and shown by 'info'. Exit status 1 without a GPU.",
+    )
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), metavar="DTYPE",
+                   help=f"dtypes to cover (default all: {' '.join(DTYPES)})")
+    p.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128], metavar="D",
+                   help="head dims to cover (default 64 128)")
+    p.add_argument("--no-backward", action="store_true", help="forward kernels only")
+    p.add_argument("--device", type=int, default=None, help="CUDA device index (default CuPy's current device)")
+    p.add_argument("--allow-tf32", action="store_true", help="the float32 kernels of allow_tf32=True calls")
+    p.add_argument("--workers", type=_positive, default=None, help="compile threads (default min(8, CPUs))")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=precompile_command)
+
+    commands.add_parser(
+        "bench",
+        help="run bench/bench_attention.py from a source checkout (arguments pass through)",
+        description="Runs bench/bench_attention.py of a source checkout with the remaining arguments "
+        "('python -m flashcupy bench --help' shows the script's own options). Exit status 2 when the "
+        "script is missing (installed packages do not include bench/).",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after 'bench' belongs to the benchmark script
+        return bench(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
@@ -76,25 +77,31 @@ def _head_dim(d: Any) -> int:
 
 
 def kernels_for(dtypes: Iterable[str], head_dims: Iterable[int], arch: int, smem_limit: int,
-                backward: bool = True, allow_tf32: bool = False) -> list[Kernel]:
+                backward: bool = True, allow_tf32: bool = False, skipped: list[str] | None = None) -> list[Kernel]:
     """The kernels calls with these dtypes and head dims (D = Dv) select on a GPU of compute
     capability ``arch`` with ``smem_limit`` bytes of opt-in shared memory per block: the
     forward's plain and full-pipeline variants, and with ``backward`` its three kernels.
-    ``FLASHCUPY_FORCE_PORTABLE`` is honoured as in real calls."""
-    from .cuda.spec import select_backward, select_forward
+    ``FLASHCUPY_FORCE_PORTABLE`` is honoured as in real calls. Where no kernel fits the
+    GPU (such calls run on the CPU backend under ``backend='auto'``), the reason is
+    appended to ``skipped``."""
+    from .cuda.spec import NoKernelError, select_backward, select_forward
 
     found: dict[tuple[str, str], Kernel] = {}
     for dtype in dtypes:
         for d in head_dims:
-            for full in (False, True):
-                spec = select_forward(dtype, d, d, arch, smem_limit, allow_tf32, full=full)
-                found.setdefault(("forward", spec.name_expression),
-                                 Kernel("forward", spec.name_expression, spec.smem_bytes))
-            if backward:
-                spec = select_backward(dtype, d, d, arch, smem_limit, allow_tf32)
-                for name, smem in ((spec.delta_name, 0), (spec.dq_name, spec.smem_bytes),
-                                   (spec.dkdv_name, spec.smem_bytes)):
-                    found.setdefault(("backward", name), Kernel("backward", name, smem))
+            try:
+                for full in (False, True):
+                    spec = select_forward(dtype, d, d, arch, smem_limit, allow_tf32, full=full)
+                    found.setdefault(("forward", spec.name_expression),
+                                     Kernel("forward", spec.name_expression, spec.smem_bytes))
+                if backward:
+                    bspec = select_backward(dtype, d, d, arch, smem_limit, allow_tf32)
+                    for name, smem in ((bspec.delta_name, 0), (bspec.dq_name, bspec.smem_bytes),
+                                       (bspec.dkdv_name, bspec.smem_bytes)):
+                        found.setdefault(("backward", name), Kernel("backward", name, smem))
+            except NoKernelError as exc:
+                if skipped is not None:
+                    skipped.append(str(exc))
     return list(found.values())
 
 
@@ -138,18 +145,26 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, desc="flashcupy precompile", unit="kernel", file=sys.stderr)
 
 
-def _device_id(device: Any) -> int:
+def _device_info(device: Any) -> tuple[int, str, int, int]:
+    """(device index, name, compute capability like 90, opt-in shared memory per block) of
+    ``device``: None (CuPy's current device), an index or a ``cupy.cuda.Device``."""
     import cupy
 
+    from .cuda import device_limits
+
     if device is None:
-        return cupy.cuda.Device().id
-    device_id = getattr(device, "id", device)
-    if isinstance(device_id, bool) or not isinstance(device_id, (int, np.integer)):
-        raise TypeError(f"device: expected None, a device index or a cupy.cuda.Device, received {device!r}")
-    count = cupy.cuda.runtime.getDeviceCount()
-    if not 0 <= int(device_id) < count:
-        raise ValueError(f"device: expected an index in 0..{count - 1}, received {device_id}")
-    return int(device_id)
+        device_id = cupy.cuda.Device().id
+    else:
+        device_id = getattr(device, "id", device)
+        if isinstance(device_id, bool) or not isinstance(device_id, (int, np.integer)):
+            raise TypeError(f"device: expected None, a device index or a cupy.cuda.Device, received {device!r}")
+        count = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= int(device_id) < count:
+            raise ValueError(f"device: expected an index in 0..{count - 1}, received {device_id}")
+        device_id = int(device_id)
+    arch, smem_limit = device_limits(device_id)
+    name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
+    return device_id, name.decode() if isinstance(name, bytes) else str(name), arch, smem_limit
 
 
 def _save(device_name: str, arch: int, times: dict[str, float], wall: float, workers: int) -> None:
@@ -219,6 +234,10 @@ def precompile(
         also saved to :func:`record_path` (in CuPy's kernel cache directory) for
         ``python -m flashcupy info``.
 
+    Warns:
+        RuntimeWarning: for a dtype and head dim that no kernel of this GPU serves (shared
+        memory too small; such calls run on the CPU backend with ``backend='auto'``).
+
     Raises:
         RuntimeError: no usable CUDA GPU (CuPy missing, no driver or no device).
         ValueError: an unknown dtype or a head dim outside 1..512.
@@ -235,20 +254,18 @@ def precompile(
 
     if not interop.gpu_usable():
         raise RuntimeError(
-            "flashcupy.precompile: no usable CUDA GPU here (it needs CuPy, e.g. pip install "
-            "'flashcupy[cuda12]', a CUDA driver and a visible device); kernels compile for the GPU "
-            "they run on, so there is nothing to precompile. The CPU backend needs no compilation."
+            "flashcupy.precompile needs a usable CUDA GPU and found none (it needs CuPy, e.g. pip install "
+            "'flashcupy[cuda12]', a CUDA driver and a visible device): kernels are compiled for the GPU "
+            "they run on. The CPU backend needs no compilation."
         )
-    import cupy
-
-    from .cuda import device_limits
     from .cuda.compile import get_function
 
-    device_id = _device_id(device)
-    arch, smem_limit = device_limits(device_id)
-    name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
-    device_name = name.decode() if isinstance(name, bytes) else str(name)
-    todo = kernels_for(dtype_names, dims, arch, smem_limit, backward, bool(allow_tf32))
+    device_id, device_name, arch, smem_limit = _device_info(device)
+    skipped: list[str] = []
+    todo = kernels_for(dtype_names, dims, arch, smem_limit, backward, bool(allow_tf32), skipped)
+    for reason in skipped:
+        warnings.warn(f"flashcupy.precompile: {reason.split('; use')[0]}: such calls run on the CPU backend "
+                      f"with backend='auto'", RuntimeWarning, stacklevel=2)
 
     def compile_one(kernel: Kernel) -> float:
         t0 = time.perf_counter()

@@ -99,9 +99,9 @@ def _grid(blocks: int, heads: int) -> tuple[int, int, int]:
 
 
 def _problem_params(pb: Problem, q, k, v, out, lse, xp) -> tuple[np.void, list]:
-    """The Params block of a problem whose (aligned, last-axis contiguous) operands are given,
-    and the device arrays it points into that must outlive the launch."""
-    fields: dict[str, Any] = _rows_fields(pb, {"q": q, "k": k, "v": v, "o": _merged(pb, out, xp)})
+    """The Params block of a problem whose operands (from :func:`_rows`) and output (merged)
+    are given, and the device arrays it points into that must outlive the launch."""
+    fields: dict[str, Any] = _rows_fields(pb, {"q": q, "k": k, "v": v, "o": out})
     keep_alive = []  # device copies the launch reads; CuPy reuses freed memory only for later work
     if pb.varlen:
         fields["lse_sh"] = _elem_strides(lse)[0]
@@ -163,7 +163,7 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         q, k, v = _operands(pb, xp)
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
-        params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp)
+        params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp)
         heads = math.prod(pb.batch) * pb.num_heads_q
         m_blocks = -(-pb.seqlen_q // spec.block_m)
         chunks = -(-pb.head_dim_v // spec.dv_tile)
