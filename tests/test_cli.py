@@ -1,0 +1,244 @@
+"""The command line (``python -m flashcupy info|check|precompile|bench``) and
+:func:`flashcupy.precompile`, on any machine: GPU-less behaviour is forced where it
+matters, and the precompile machinery runs against a fake device and compiler."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flashcupy
+import flashcupy.__main__ as cli
+from flashcupy import interop
+from flashcupy.cuda.spec import ARCH_SMEM, select_backward, select_forward
+from flashcupy.precompile import RECORD_NAME, kernels_for, load_records, record_path
+
+PRECOMPILE = sys.modules["flashcupy.precompile"]  # the module; flashcupy.precompile is the function
+PACKAGE_PARENT = str(Path(flashcupy.__file__).resolve().parent.parent)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m flashcupy args`` on the flashcupy these tests import."""
+    environ = {**os.environ, **(env or {})}
+    extra = [environ["PYTHONPATH"]] if environ.get("PYTHONPATH") else []
+    environ["PYTHONPATH"] = os.pathsep.join([PACKAGE_PARENT, *extra])
+    return subprocess.run([sys.executable, "-m", "flashcupy", *args], capture_output=True, text=True, env=environ,
+                          cwd=cwd, timeout=300)
+
+
+# --------------------------------------------------------------------------- info
+
+
+def test_info_runs_and_names_the_kernel_path_of_each_dtype(tmp_path) -> None:
+    result = run_cli("info", env={"CUPY_CACHE_DIR": str(tmp_path)}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"flashcupy {flashcupy.__version__}" in out
+    for label in ("NumPy", "SciPy", "ml_dtypes", "CuPy", "source hash", "CuPy kernel cache", str(tmp_path)):
+        assert label in out, label
+    for dtype in ("float16", "bfloat16", "float32", "float64", "float32 allow_tf32"):
+        assert f"  {dtype} " in out, dtype
+    if interop.gpu_usable():
+        assert "mma16" in out or "simt" in out
+    else:
+        assert "cpu backend" in out
+    assert "compile times: none recorded" in out
+
+
+def test_info_json_has_every_fact() -> None:
+    data = cli.collect_info()
+    assert json.loads(json.dumps(data)) == data
+    for key in ("flashcupy", "python", "numpy", "scipy", "ml_dtypes", "cupy", "cuda_runtime", "cuda_driver", "nvrtc",
+                "gpus", "kernel_dir", "kernel_source_hash", "kernel_cache_dir", "kernel_cache_mib", "kernel_paths",
+                "compile_records"):
+        assert key in data, key
+    assert len(data["kernel_paths"]) == 5
+
+
+def test_kernel_paths_per_architecture() -> None:
+    assert set(cli.kernel_paths(None).values()) == {"cpu backend"}
+    paths = cli.kernel_paths(90)
+    assert paths["float16"].startswith("mma16") and paths["bfloat16"].startswith("mma16")
+    assert paths["float32"].startswith("simt") and paths["float32 allow_tf32"].startswith("tf32")
+    assert paths["float64"].startswith("dmma")
+    assert {p.split(":")[0] for p in cli.kernel_paths(75).values()} == {"simt"}
+
+
+# --------------------------------------------------------------------------- check
+
+
+def test_check_passes() -> None:
+    result = run_cli("check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    cases = [line for line in lines if line.startswith(("PASS  ", "FAIL  "))]
+    assert len(cases) == len(cli.check_cases()) and all(line.startswith("PASS") for line in cases)
+    assert lines[-1] == "PASS"
+    for word in ("float16", "bfloat16", "float32", "float64", "causal", "mask", "bias", "dropout", "GQA", "varlen"):
+        assert any(word in line for line in cases), word
+
+
+def test_check_fails_on_a_wrong_result(monkeypatch, capsys) -> None:
+    forward = flashcupy.flash_attention_forward
+
+    def off_by_a_little(q, k, v, **options):
+        out, lse = forward(q, k, v, **options)
+        if q.dtype == np.float64:
+            out = out + 1e-8  # above the 1e-9 bar of float64, far below the other dtypes' bounds
+        return out, lse
+
+    monkeypatch.setattr(flashcupy, "flash_attention_forward", off_by_a_little)
+    assert cli.main(["check", "--backend", "cpu", "--verbose"]) == 1
+    out = capsys.readouterr().out
+    fails = [line for line in out.splitlines() if line.startswith("FAIL  ")]
+    assert fails and all("float64" in line for line in fails)
+    assert out.splitlines()[-1] == "FAIL"
+
+
+def test_check_reports_a_raising_case_as_a_failure(monkeypatch, capsys) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(flashcupy, "flash_attention_backward", broken)
+    assert cli.main(["check", "--backend", "cpu"]) == 1
+    assert "RuntimeError: kernel exploded" in capsys.readouterr().out
+
+
+def test_check_cuda_without_a_gpu_is_an_error(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "cuda_backend_available", lambda: False)
+    assert cli.main(["check", "--backend", "cuda"]) == 1
+    assert "no usable CUDA GPU" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- precompile
+
+
+def test_precompile_without_a_gpu_raises(monkeypatch) -> None:
+    monkeypatch.setattr(interop, "gpu_usable", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a usable CUDA GPU"):
+        flashcupy.precompile()
+
+
+@pytest.mark.skipif(interop.gpu_usable(), reason="a GPU is usable here")
+def test_precompile_command_without_a_gpu_exits_1() -> None:
+    result = run_cli("precompile", "--dtypes", "float16")
+    assert result.returncode == 1
+    assert "needs a usable CUDA GPU" in result.stderr
+
+
+@pytest.mark.parametrize("kwargs", [{"dtypes": ("float8",)}, {"dtypes": (np.int32,)}, {"head_dims": (0,)},
+                                    {"head_dims": (513,)}, {"head_dims": (64.0,)}, {"workers": 0}])
+def test_precompile_rejects_bad_arguments(kwargs) -> None:
+    with pytest.raises(ValueError):
+        flashcupy.precompile(**kwargs)
+
+
+def test_precompile_is_exported() -> None:
+    assert "precompile" in flashcupy.__all__ and callable(flashcupy.precompile)
+
+
+def test_kernels_for_lists_both_forward_variants_and_the_backward() -> None:
+    arch, smem = 90, ARCH_SMEM[90]
+    kernels = kernels_for(["float16", "float64"], [64, 128], arch, smem)
+    names = {k.name for k in kernels}
+    assert len(names) == len(kernels)
+    for dtype in ("float16", "float64"):
+        for d in (64, 128):
+            for full in (False, True):
+                assert select_forward(dtype, d, d, arch, smem, full=full).name_expression in names
+            spec = select_backward(dtype, d, d, arch, smem)
+            assert {spec.delta_name, spec.dq_name, spec.dkdv_name} <= names
+    assert {k.family for k in kernels} == {"forward", "backward"}
+    assert {k.family for k in kernels_for(["float32"], [64], arch, smem, backward=False)} == {"forward"}
+    # allow_tf32 changes the float32 kernels only
+    assert kernels_for(["float32"], [64], arch, smem, allow_tf32=True) != kernels_for(["float32"], [64], arch, smem)
+    assert kernels_for(["float16"], [64], arch, smem, allow_tf32=True) == kernels_for(["float16"], [64], arch, smem)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """precompile on a pretend sm_90 device whose compiler records its calls; CuPy's
+    cache directory in tmp_path."""
+    import flashcupy.cuda.compile as cc
+
+    calls = []
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(interop, "gpu_usable", lambda: True)
+    monkeypatch.setattr(PRECOMPILE, "_device_info", lambda device: (device or 0, "Fake GPU", 90, ARCH_SMEM[90]))
+    monkeypatch.setattr(cc, "get_function", lambda family, name, device_id, smem=0: calls.append(
+        (family, name, device_id, smem)))
+    return calls
+
+
+def test_precompile_compiles_what_calls_select_and_records_the_times(fake_gpu, capsys) -> None:
+    times = flashcupy.precompile(dtypes=("float16", "float64"), head_dims=(64,), progress=True)
+    expected = kernels_for(["float16", "float64"], [64], 90, ARCH_SMEM[90])
+    assert sorted(times) == sorted(k.name for k in expected)
+    assert sorted(fake_gpu) == sorted((k.family, k.name, 0, k.smem_bytes) for k in expected)
+    assert all(t >= 0 for t in times.values())
+    assert f"{len(expected)}/{len(expected)} kernels" in capsys.readouterr().err  # the counter (or tqdm)
+    assert record_path().name == RECORD_NAME and record_path().is_file()
+    record = load_records()["Fake GPU sm_90"]
+    assert set(record["kernels"]) == set(times) and record["arch"] == 90
+    # a second call for other dtypes adds to the record of the same sources
+    more = flashcupy.precompile(dtypes=("float32",), head_dims=(128,), backward=False, device=0, progress=False)
+    assert set(load_records()["Fake GPU sm_90"]["kernels"]) == set(times) | set(more)
+    assert capsys.readouterr().err == ""
+    info = run_cli("info", env={"CUPY_CACHE_DIR": os.environ["CUPY_CACHE_DIR"]})
+    assert info.returncode == 0 and "compile times recorded by precompile" in info.stdout
+    assert "Fake GPU sm_90" in info.stdout
+
+
+def test_precompile_command_prints_the_times(fake_gpu, capsys) -> None:
+    assert cli.main(["precompile", "--dtypes", "bfloat16", "--head-dims", "96", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"compiled {len(fake_gpu)} kernels") and str(record_path()) in out
+
+
+def test_an_unreadable_record_counts_as_none(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    (tmp_path / RECORD_NAME).write_text("{not json")
+    assert load_records() == {}
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def test_find_bench_script(tmp_path) -> None:
+    assert cli.find_bench_script([tmp_path]) is None
+    script = tmp_path / "bench" / "bench_attention.py"
+    script.parent.mkdir()
+    script.write_text("")
+    assert cli.find_bench_script([tmp_path / "nowhere", tmp_path]) == script
+
+
+def test_bench_without_the_script_says_how_to_get_it(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "find_bench_script", lambda roots=None: None)
+    assert cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "not part of the installed package" in err and "clone the flashcupy repository" in err
+
+
+def test_bench_passes_its_arguments_through(monkeypatch, tmp_path, capfd) -> None:
+    script = tmp_path / "bench" / "bench_attention.py"
+    script.parent.mkdir()
+    script.write_text("import sys\nprint('ARGS', sys.argv[1:])\nsys.exit(3)\n")
+    monkeypatch.setattr(cli, "find_bench_script", lambda roots=None: script)
+    assert cli.main(["bench", "--dtypes", "float16", "--help"]) == 3
+    assert "ARGS ['--dtypes', 'float16', '--help']" in capfd.readouterr().out
+
+
+def test_precompile_skips_what_no_kernel_of_the_gpu_serves(fake_gpu, monkeypatch) -> None:
+    monkeypatch.setattr(PRECOMPILE, "_device_info", lambda device: (0, "Small GPU", 75, 48 * 1024))
+    skipped: list[str] = []
+    kernels = kernels_for(["float64"], [64, 512], 75, 48 * 1024, skipped=skipped)
+    assert skipped and all("float64" in reason for reason in skipped)
+    with pytest.warns(RuntimeWarning, match="CPU backend"):
+        times = flashcupy.precompile(dtypes=["float64"], head_dims=[64, 512], progress=False)
+    assert sorted(times) == sorted(k.name for k in kernels)
