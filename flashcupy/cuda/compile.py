@@ -14,7 +14,6 @@ import hashlib
 import importlib.util
 import os
 import threading
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +29,16 @@ class KernelCompileError(RuntimeError):
 
 @functools.lru_cache(maxsize=1)
 def kernel_dir() -> Path:
-    """kernels_cu/: inside the installed package, or beside it in a source checkout."""
-    try:
-        installed = Path(str(resources.files("flashcupy.kernels_cu")))
-        if (installed / "flash_fwd.cu").is_file():
-            return installed
-    except ModuleNotFoundError:
-        pass
-    checkout = Path(__file__).resolve().parents[2] / "kernels_cu"
-    if (checkout / "flash_fwd.cu").is_file():
-        return checkout
-    raise FileNotFoundError("flashcupy's kernels_cu/ sources are missing from this installation")
+    """kernels_cu/: inside the installed package (flashcupy/kernels_cu, a data folder without
+    __init__.py), or at the top of a source checkout."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "kernels_cu", package.parent / "kernels_cu"):
+        if (candidate / "flash_fwd.cu").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"flashcupy's kernels_cu/ sources are missing from this installation (looked in {package / 'kernels_cu'} "
+        f"and {package.parent / 'kernels_cu'})"
+    )
 
 
 @functools.lru_cache(maxsize=1)
