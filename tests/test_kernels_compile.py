@@ -1,9 +1,10 @@
-"""Every forward kernel specialisation compiles with NVRTC, without spills, for sm_75..sm_90.
+"""Every forward and backward kernel specialisation compiles with NVRTC, without spills,
+for sm_75..sm_90.
 
 No GPU is needed: NVRTC compiles to SASS for a named architecture (``compile_for_arch``)
 and ptxas' ``--verbose`` report gives each entry function's stack frame, spill stores,
-spill loads and registers. One test per architecture compiles all of
-``all_forward_specs(arch)`` in a single NVRTC program.
+spill loads and registers. One test per (family, architecture) compiles every kernel of
+``all_forward_specs(arch)`` or ``all_backward_specs(arch)`` in a single NVRTC program.
 
 Requirements: ``pip install '.[nvrtc]'`` (cupy-cuda12x, nvidia-cuda-nvrtc-cu12 and
 nvidia-cuda-runtime-cu12, whose include/ folder holds cuda_fp16.h and friends; a CUDA
@@ -12,15 +13,16 @@ toolkit's ``$CUDA_PATH/include`` works as well). Without them the tests skip, un
 
 NVRTC's lowered names are not returned by ``compile_for_arch``, so entries are matched
 to specs by count (exactly one entry per spec) and by demangling each entry with
-libstdc++'s ``__cxa_demangle`` into ``void <spec.name_expression>(flash::Params)``
+libstdc++'s ``__cxa_demangle`` into ``void <name_expression>(flash::Params)`` (or
+``flash::BwdParams``)
 (without a demangler: by count, the policy read from the mangled name). Tensor-core
 entries (mma16, tf32, dmma) must have no stack frame and no spills. SIMT entries are
 checked too; a SIMT spill is reported as a warning (visible in pytest's warnings
 summary) rather than failing the test. On failure, the assertion message holds the
 table of registers, stack frame and spills of every entry.
 
-The architectures compile in parallel (two worker processes), started once per
-module for all the architectures selected, since each takes about a minute.
+The (family, architecture) pairs compile in parallel (two worker processes), started once
+per module for all the pairs selected, since each takes about a minute.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import ctypes.util
 import os
 import re
 import warnings
+from typing import NamedTuple
 
 import pytest
 
@@ -38,6 +41,7 @@ from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs
 
 ARCHS = (75, 80, 86, 89, 90)
 TENSOR_CORE_POLICIES = ("mma16", "tf32", "dmma")
+FAMILIES = ("forward", "backward")
 REQUIRE_ENV = "FLASHCUPY_REQUIRE_NVRTC"
 MAX_WORKERS = 2
 
@@ -121,17 +125,39 @@ def _canonical(signature: str) -> str:
     return re.sub(r"\s+", "", signature)
 
 
-def match_entries(entries: list[dict], specs: list) -> list:
-    """The spec of each entry, or None where it matches none.
+class Kernel(NamedTuple):
+    """One compiled entry function: its NVRTC name expression, warp policy and parameter block."""
 
-    Demangled, an entry reads ``void <name_expression>(flash::Params)``. Without a
-    demangler, only the policy is recovered (the SIMT policy's name in the mangled
-    name), as a stand-in spec-like object, and the match is by count alone.
+    name_expression: str
+    policy: str
+    params: str
+
+
+def kernels(family: str, arch: int) -> list[Kernel]:
+    """Every kernel the dispatcher can launch on ``arch`` for a source family."""
+    from flashcupy.cuda.spec import all_backward_specs, all_forward_specs
+
+    if family == "forward":
+        return [Kernel(s.name_expression, s.policy, "flash::Params") for s in all_forward_specs(arch)]
+    found = {}
+    for s in all_backward_specs(arch):
+        found[s.delta_name] = Kernel(s.delta_name, "none", "flash::BwdParams")  # no matrix products
+        for name in (s.dq_name, s.dkdv_name):
+            found[name] = Kernel(name, s.policy, "flash::BwdParams")
+    return sorted(found.values())
+
+
+def match_entries(entries: list[dict], specs: list[Kernel]) -> list:
+    """The kernel of each entry, or None where it matches none.
+
+    Demangled, an entry reads ``void <name_expression>(<params>)``. Without a demangler,
+    only the policy is recovered (the SIMT policy's name in the mangled name), as a
+    stand-in object, and the match is by count alone.
     """
     demangle = _cxa_demangle()
     if demangle is None:
         return [_PolicyOnly("simt" if "4Simt" in e["name"] else "tensor-core", e["name"]) for e in entries]
-    by_signature = {_canonical(f"void {s.name_expression}(flash::Params)"): s for s in specs}
+    by_signature = {_canonical(f"void {s.name_expression}({s.params})"): s for s in specs}
     out = []
     for e in entries:
         demangled = demangle(e["name"])
@@ -148,7 +174,7 @@ class _PolicyOnly:
 def register_table(arch: int, rows: list[tuple]) -> str:
     """ptxas' figures per entry: registers, stack frame, spill stores and loads (bytes)."""
     width = max([len(label) for label, _ in rows] + [4])
-    lines = [f"sm_{arch} flash_fwd{'':<{width - 9}}  regs  stack  spill-st  spill-ld"]
+    lines = [f"sm_{arch} kernel{'':<{width - 6}}  regs  stack  spill-st  spill-ld"]
     for label, e in rows:
         lines.append(f"{label:<{width}}  {e['regs']!s:>4}  {e['stack']!s:>5}  {e['stores']!s:>8}  {e['loads']!s:>8}")
     return "\n".join(lines)
@@ -156,21 +182,19 @@ def register_table(arch: int, rows: list[tuple]) -> str:
 
 @pytest.fixture(scope="module")
 def compiled(request):
-    """{arch: future of compile_for_arch's log}, for every architecture the session selected."""
+    """{(family, arch): future of compile_for_arch's log}, for every pair the session selected."""
     problem = nvrtc_problem()
     if problem is not None:
         _unavailable(problem)
-    from flashcupy.cuda.spec import all_forward_specs
-
     wanted = sorted(
-        {item.callspec.params["arch"] for item in request.session.items
+        {(item.callspec.params["family"], item.callspec.params["arch"]) for item in request.session.items
          if item.module is request.module and hasattr(item, "callspec") and "arch" in item.callspec.params},
-        key=lambda a: -len(all_forward_specs(a)),  # largest first: the two workers finish together
+        key=lambda fa: -len(kernels(*fa)),  # largest first: the two workers finish together
     )
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(MAX_WORKERS, len(wanted) or 1)) as pool:
         futures = {
-            arch: pool.submit(compile_for_arch, "forward", [s.name_expression for s in all_forward_specs(arch)], arch)
-            for arch in wanted
+            (family, arch): pool.submit(compile_for_arch, family, [k.name_expression for k in kernels(family, arch)], arch)
+            for family, arch in wanted
         }
         yield futures
         for future in futures.values():
@@ -178,21 +202,21 @@ def compiled(request):
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=[f"sm_{a}" for a in ARCHS])
-def test_forward_kernels_compile_without_spills(compiled, arch):
-    from flashcupy.cuda.spec import ARCH_SMEM, all_forward_specs
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernels_compile_without_spills(compiled, family, arch):
+    from flashcupy.cuda.spec import ARCH_SMEM
 
     assert arch in ARCH_SMEM
-    specs = all_forward_specs(arch)
-    assert specs, f"all_forward_specs({arch}) is empty"
-    if arch in compiled:
-        log = compiled[arch].result()  # KernelCompileError carries NVRTC's log
+    specs = kernels(family, arch)
+    assert specs, f"no {family} kernels for sm_{arch}"
+    if (family, arch) in compiled:
+        log = compiled[family, arch].result()  # KernelCompileError carries NVRTC's log
     else:  # not among the items the fixture saw (another plugin's selection): compile here
-        log = compile_for_arch("forward", [s.name_expression for s in specs], arch)
+        log = compile_for_arch(family, [s.name_expression for s in specs], arch)
 
     entries = parse_ptxas(log)
     matched = match_entries(entries, specs)
-    rows = [(s.name_expression.removeprefix("flash::flash_fwd") if s else e["name"], e)
-            for e, s in zip(entries, matched)]
+    rows = [(s.name_expression.removeprefix("flash::") if s else e["name"], e) for e, s in zip(entries, matched)]
     table = register_table(arch, rows)
 
     assert len(entries) == len(specs), (
@@ -207,8 +231,9 @@ def test_forward_kernels_compile_without_spills(compiled, arch):
         assert len(set(map(id, matched))) == len(specs), f"sm_{arch}: some spec compiled twice\n{table}"
 
     spilled = [s for e, s in zip(entries, matched) if (e["stack"], e["stores"], e["loads"]) != (0, 0, 0)]
-    simt = [s.name_expression for s in spilled if s.policy == "simt"]
-    tensor_core = [s.name_expression for s in spilled if s.policy != "simt"]
+    strict = (*TENSOR_CORE_POLICIES, "tensor-core")  # "tensor-core": the no-demangler stand-in
+    simt = [s.name_expression for s in spilled if s.policy not in strict]
+    tensor_core = [s.name_expression for s in spilled if s.policy in strict]
     if simt:
         warnings.warn(
             f"sm_{arch}: {len(simt)} SIMT kernel(s) use local memory (stack frame or spills): " + "; ".join(simt),
