@@ -5,6 +5,17 @@ Run time: one ``cupy.RawModule`` per (device, spec), built from the spec's
 ``name_expression``, cached in memory here and on disk by CuPy. CuPy's disk cache
 keys on the source text and the options, not on included headers, so the options
 carry a hash of every file in kernels_cu/: editing a header recompiles.
+
+The disk cache, as CuPy (checked against 14.2, cupy/cuda/_compiler_cache.py) keeps it: an
+entry is written to a temporary file in the cache folder and moved into place with
+``os.replace``, so an interrupted compile leaves no half-written entry under the final name,
+and each entry starts with the SHA-1 of its payload, checked on every load, so a truncated or
+otherwise damaged entry is a cache miss: CuPy recompiles and rewrites it without an error.
+What can still fail is the disk itself (a cache folder we may not read or write, a full disk,
+no writable temporary folder: ``OSError``) and a payload whose checksum holds but that the
+driver refuses (``CUDA_ERROR_INVALID_IMAGE`` and kin, e.g. an entry written by another tool).
+For those :func:`get_function` compiles once more with CuPy's disk cache off
+(``CUPY_CACHE_IN_MEMORY=1``: no load, no save, no temporary files) and warns once per process.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import hashlib
 import importlib.util
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +37,20 @@ _SOURCES = {"forward": "flash_fwd.cu", "backward": "flash_bwd.cu", "philox_test"
 
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel: the message carries the specialisation and the compiler log."""
+
+
+def _compile_error(family: str, names: list[str], arch: Any, options: tuple[str, ...] | list[str],
+                   log: str) -> KernelCompileError:
+    """A KernelCompileError naming the specialisation (source, name expressions, architecture,
+    options) above NVRTC's log."""
+    arch_text = f"sm_{arch}" if arch is not None else "unknown (the current device's)"
+    return KernelCompileError(
+        f"NVRTC failed to compile {', '.join(names)}\n"
+        f"  source: {_SOURCES.get(family, family)} in {kernel_dir()}\n"
+        f"  architecture: {arch_text}\n"
+        f"  options: {' '.join(options)}\n"
+        f"NVRTC log:\n{str(log).rstrip()}"
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,13 +118,121 @@ _locks_guard = threading.Lock()
 _locks: dict[tuple[int, str, str], threading.Lock] = {}
 _functions: dict[tuple[int, str, str], Any] = {}
 
+#: Driver errors that mean "this binary is unusable" (a damaged cache entry), not "the GPU is
+#: out of resources": cuModuleLoadData's CUDA_ERROR_INVALID_IMAGE, _NO_BINARY_FOR_GPU,
+#: _INVALID_PTX, _UNSUPPORTED_PTX_VERSION, _INVALID_SOURCE.
+_BAD_BINARY_STATUS = frozenset({200, 209, 218, 222, 300})
+
+_cache_guard = threading.Lock()
+_cache_off_depth = 0  # callers inside _disk_cache_off(); the first sets the variable, the last restores it
+_cache_saved: str | None = None
+_cache_warned = False
+
+
+def cache_dir() -> str:
+    """The folder CuPy's kernel cache uses (fixed when CuPy is imported)."""
+    try:
+        from cupy.cuda import compiler
+
+        folder = getattr(getattr(compiler, "_kernel_cache_backend", None), "_cache_dir", None)
+    except ImportError:
+        folder = None
+    return folder or os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+
+
+def _cache_failure(exc: BaseException) -> bool:
+    """True for errors of CuPy's disk cache or of a damaged cached binary (worth one retry
+    without the cache); False for everything else (NVRTC errors, out of memory, ...)."""
+    if isinstance(exc, OSError):
+        return True
+    try:
+        from cupy_backends.cuda.api.driver import CUDADriverError
+    except ImportError:  # pragma: no cover - CuPy without its backends
+        return False
+    return isinstance(exc, CUDADriverError) and getattr(exc, "status", None) in _BAD_BINARY_STATUS
+
+
+class _disk_cache_off:
+    """Context: CuPy compiles in memory (``CUPY_CACHE_IN_MEMORY=1``, read on every compile).
+
+    Process-wide while any caller is inside; other threads compiling meanwhile only skip the
+    disk cache too, which costs a recompile, never a wrong result.
+    """
+
+    def __enter__(self):
+        global _cache_off_depth, _cache_saved
+        with _cache_guard:
+            if _cache_off_depth == 0:
+                _cache_saved = os.environ.get("CUPY_CACHE_IN_MEMORY")
+                os.environ["CUPY_CACHE_IN_MEMORY"] = "1"
+            _cache_off_depth += 1
+
+    def __exit__(self, *exc):
+        global _cache_off_depth
+        with _cache_guard:
+            _cache_off_depth -= 1
+            if _cache_off_depth == 0:
+                if _cache_saved is None:
+                    os.environ.pop("CUPY_CACHE_IN_MEMORY", None)
+                else:
+                    os.environ["CUPY_CACHE_IN_MEMORY"] = _cache_saved
+        return False
+
+
+def _warn_cache(exc: BaseException) -> None:
+    """One RuntimeWarning per process: the cache folder and what went wrong with it."""
+    global _cache_warned
+    with _cache_guard:
+        if _cache_warned:
+            return
+        _cache_warned = True
+    warnings.warn(
+        f"flashcupy: CuPy's kernel cache at {cache_dir()} could not be used "
+        f"({type(exc).__name__}: {exc}); compiling without the disk cache in this process. "
+        "Check that the folder is readable and writable (or set CUPY_CACHE_DIR), or delete it "
+        "to drop damaged entries.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _device_arch(cupy: Any, device_id: int) -> str | None:
+    try:
+        return str(cupy.cuda.Device(device_id).compute_capability)
+    except Exception:  # noqa: BLE001 - only for the error message
+        return None
+
+
+def _load(cupy: Any, family: str, name: str, options: tuple[str, ...], device_id: int):
+    """Compile (or load from CuPy's cache) ``name`` and return its function; on a cache
+    failure, warn once and compile again with the disk cache off."""
+    source = read_source(family)
+    for attempt in (0, 1):
+        try:
+            if attempt:
+                with _disk_cache_off():
+                    module = cupy.RawModule(code=source, options=options, name_expressions=[name])
+                    return module.get_function(name)
+            module = cupy.RawModule(code=source, options=options, name_expressions=[name])
+            return module.get_function(name)
+        except cupy.cuda.compiler.CompileException as exc:
+            raise _compile_error(family, [name], _device_arch(cupy, device_id), options,
+                                 exc.get_message()) from exc
+        except Exception as exc:
+            if attempt or not _cache_failure(exc):
+                raise
+            _warn_cache(exc)
+    raise AssertionError("unreachable")  # pragma: no cover
+
 
 def get_function(family: str, name: str, device_id: int, smem_bytes: int = 0):
     """The compiled kernel ``name`` of source ``family`` on ``device_id``, compiled once per process.
 
     Thread-safe: each specialisation has its own lock, so different ones compile in
     parallel (NVRTC releases the GIL) and concurrent callers of one wait for it.
-    Raises KernelCompileError with NVRTC's log when compilation fails.
+    Raises KernelCompileError with the specialisation and NVRTC's log when compilation
+    fails. When CuPy's disk cache fails (unreadable or unwritable folder, a cached binary
+    the driver rejects) it warns once (RuntimeWarning) and compiles without the cache.
     """
     key = (device_id, family, name)
     fn = _functions.get(key)
@@ -112,11 +246,7 @@ def get_function(family: str, name: str, device_id: int, smem_bytes: int = 0):
         fn = _functions.get(key)
         if fn is None:
             with cupy.cuda.Device(device_id):
-                module = cupy.RawModule(code=read_source(family), options=compile_options(), name_expressions=[name])
-                try:
-                    fn = module.get_function(name)
-                except cupy.cuda.compiler.CompileException as exc:
-                    raise KernelCompileError(f"NVRTC failed to compile {name}:\n{exc}") from exc
+                fn = _load(cupy, family, name, compile_options(), device_id)
                 if smem_bytes > 48 * 1024:  # above 48 KB a block must opt in
                     fn.max_dynamic_shared_size_bytes = smem_bytes
             _functions[key] = fn
@@ -150,7 +280,7 @@ def compile_for_arch(family: str, names: list[str], arch: int) -> str:
             nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(program)
-            raise KernelCompileError(f"NVRTC failed for sm_{arch}:\n{log}") from exc
+            raise _compile_error(family, names, arch, options, log) from exc
         return nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
