@@ -101,6 +101,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
     cp_async_commit();
 
     const ScoreOp<Acc> score(p, hv);
+    const bool plain = !p.has_softcap && score.bias == nullptr && p.alibi == nullptr && score.mask == nullptr
+                       && score.block_mask == nullptr;
     const int r0 = i0 + 16 * warp + g;  // rows r0 and r0 + 8
     Acc lse2[2], delta[2];
 #pragma unroll
@@ -131,6 +133,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
             for (int e = 0; e < 4; ++e) s[0][n][e] = dp[0][n][e] = Acc(0);
         Policy::template qk<HD, BLOCK_C, LD, LD>(sQ + 16 * warp * LD, sK, s);    // S = Q K^T
         Policy::template qk<HD, BLOCK_C, LD, LD>(sdO + 16 * warp * LD, sV, dp);  // dP = dO V^T
+        // No option touches the scores of a full tile inside the band: S = scale * log2(e) * s.
+        const bool fast = plain && j1 - j0 == BLOCK_C && tile_inside_band(p, hv, i0, i0 + rows_valid, j0, j1);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             bool keep[4] = {true, true, true, true};
@@ -143,7 +147,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
             for (int e = 0; e < 4; ++e) {
                 const int x = e >> 1, i = r0 + 8 * x, j = j0 + 8 * n + 2 * t + (e & 1);
                 const Acc raw = s[0][n][e];
-                const Acc sc = (j < j1 && i < hv.q_len) ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
+                const Acc sc = fast ? raw * score.scale_log2
+                                    : (j < j1 && i < hv.q_len) ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
                 const Acc pe = fast_exp2(sc - lse2[x]);                             // P = exp(S - lse)
                 const Acc z = p.dropout_threshold != 0 ? (keep[e] ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = pe * (dp[0][n][e] * z - delta[x]);                          // dS = P (dP z - D)
@@ -235,6 +240,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
     for (int hq = 0; hq < group; ++hq) {
         const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
         const ScoreOp<Acc> score(p, hv);
+        const bool plain = !p.has_softcap && score.bias == nullptr && p.alibi == nullptr && score.mask == nullptr
+                           && score.block_mask == nullptr;
         const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh;
         const T* gQ = static_cast<const T*>(p.q) + (packed ? hv.q_start * p.q_sr : hv.b * p.q_sb) + hv.h * p.q_sh;
         const T* gdO = static_cast<const T*>(bp.dout) + (packed ? hv.q_start * bp.do_sr : hv.b * bp.do_sb) + hv.h * bp.do_sh;
@@ -260,6 +267,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
                 for (int e = 0; e < 4; ++e) st[0][n][e] = dpt[0][n][e] = Acc(0);
             Policy::template qk<HD, BLOCK_C, LD, LD>(sK + 16 * warp * LD, sQ, st);   // S^T = K Q^T
             Policy::template qk<HD, BLOCK_C, LD, LD>(sV + 16 * warp * LD, sdO, dpt); // dP^T = V dO^T
+            const bool fast = plain && i1 - i0 == BLOCK_C && keys_valid == BLOCK_R
+                              && tile_inside_band(p, hv, i0, i1, j0, j0 + BLOCK_R);
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -267,7 +276,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
                     const int j = r0 + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
                     const bool valid = i < i1 && j < j0 + keys_valid;
                     const Acc raw = st[0][n][e];
-                    const Acc sc = valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
+                    const Acc sc = fast ? raw * score.scale_log2 : valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
                     const Acc pe = fast_exp2(sc - sLse[c]);  // P^T = exp(S^T - lse)
                     Acc z = Acc(1);
                     if (p.dropout_threshold != 0)

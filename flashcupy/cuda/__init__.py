@@ -232,10 +232,10 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             get_function("backward", spec.delta_name, device_id)(
                 _grid(-(-pb.seqlen_q // 4), heads), (128,), (bparams,))
             get_function("backward", spec.dq_name, device_id, spec.smem_bytes)(
-                _grid(-(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.chunk), heads), (spec.threads,),
+                _grid(-(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.dq_chunk), heads), (spec.threads,),
                 (bparams,), shared_mem=spec.smem_bytes)
         if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros
-            chunks = -(-max(pb.head_dim, pb.head_dim_v) // spec.chunk)
+            chunks = -(-max(pb.head_dim, pb.head_dim_v) // spec.kv_chunk)
             get_function("backward", spec.dkdv_name, device_id, spec.smem_bytes)(
                 _grid(-(-pb.seqlen_k // spec.block_r) * chunks, kv_heads), (spec.threads,), (bparams,),
                 shared_mem=spec.smem_bytes)

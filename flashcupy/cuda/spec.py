@@ -158,7 +158,8 @@ class BackwardSpec:
     dtype: str
     policy: str      # key of POLICIES; tensor-core policies with one 16-row group per warp
     head_dim: int    # HD: padded head dim of q, k, v and dO in shared memory
-    chunk: int       # CH: gradient columns per block
+    dq_chunk: int    # CH of the dQ kernel: gradient columns per block
+    kv_chunk: int    # CH of the dK/dV kernel
     block_r: int     # rows of the block's own operand (16 per warp)
     block_c: int     # rows of the streamed operand per tile
 
@@ -170,10 +171,10 @@ class BackwardSpec:
     def itemsize(self) -> int:
         return KernelSpec(self.dtype, self.policy, self.head_dim, 16, 16, 1).itemsize
 
-    def _kernel(self, name: str) -> str:
+    def _kernel(self, name: str, chunk: int) -> str:
         t = CXX_TYPE[self.dtype]
         policy = POLICIES[self.policy][0](t).replace(", 2>", ", 1>")
-        return f"flash::{name}<{t}, {policy}, {self.head_dim}, {self.chunk}, {self.block_r}, {self.block_c}>"
+        return f"flash::{name}<{t}, {policy}, {self.head_dim}, {chunk}, {self.block_r}, {self.block_c}>"
 
     @property
     def delta_name(self) -> str:
@@ -182,11 +183,11 @@ class BackwardSpec:
 
     @property
     def dq_name(self) -> str:
-        return self._kernel("flash_bwd_dq")
+        return self._kernel("flash_bwd_dq", self.dq_chunk)
 
     @property
     def dkdv_name(self) -> str:
-        return self._kernel("flash_bwd_dkdv")
+        return self._kernel("flash_bwd_dkdv", self.kv_chunk)
 
     @property
     def smem_bytes(self) -> int:
@@ -200,9 +201,9 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
                     portable: bool | None = None) -> BackwardSpec:
     """The backward kernels for this problem on a GPU of compute capability ``arch``.
 
-    Gradient columns come in chunks of at most 64 (32 for float64) so that dK and dV (or
-    dQ) stay in registers beside S and dP whatever the head dim. Raises RuntimeError when
-    no tile fits.
+    Gradient columns come in chunks (64, 32 for float64; dQ on the float16/bfloat16 tensor
+    cores: 128) so that dK and dV (or dQ) stay in registers beside S and dP whatever the
+    head dim. Raises NoKernelError when no tile fits.
     """
     portable = force_portable() if portable is None else portable
     policy = policy_for(dtype, arch, allow_tf32, portable)
@@ -212,7 +213,9 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
         tiles += ((16, 8),)
     for block_r, block_c in tiles:
-        spec = BackwardSpec(dtype, policy, hd, min(hd, 32 if wide else 64), block_r, block_c)
+        kv_chunk = min(hd, 32 if wide else 64)
+        spec = BackwardSpec(dtype, policy, hd, min(hd, 128) if policy == "mma16" else kv_chunk, kv_chunk, block_r,
+                            block_c)
         if spec.smem_bytes <= smem_limit:
             return spec
     raise NoKernelError(
