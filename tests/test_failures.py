@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import uuid
 import warnings
 from pathlib import Path
 
@@ -278,6 +279,11 @@ def private_cache(tmp_path, monkeypatch):
         pytest.skip("this CuPy has no pluggable kernel cache backend")
     backend = DiskKernelCacheBackend(str(tmp_path))
     monkeypatch.setattr(cupy_compiler, "_kernel_cache_backend", backend)
+    # A fresh define per test: CuPy's in-process module cache, keyed by source and options,
+    # cannot answer, so every test really compiles through (and writes) this disk cache.
+    options = cc.compile_options
+    nonce = f"-DFLASHCUPY_TEST_NONCE={uuid.uuid4().hex}"
+    monkeypatch.setattr(cc, "compile_options", lambda: (*options(), nonce))
     monkeypatch.setattr(cc, "_functions", {})
     monkeypatch.setattr(cc, "_cache_warned", False)
     return tmp_path, backend
@@ -309,6 +315,7 @@ def test_truncated_cache_entry_recompiles(private_cache):
     good = entries[0].read_bytes()
     entries[0].write_bytes(good[: len(good) // 3])
     cc._functions.clear()
+    cupy._util.clear_memo()  # CuPy's in-process module memo would answer without the disk
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _run_philox(device)
@@ -329,6 +336,7 @@ def test_unloadable_cache_entry_falls_back(private_cache):
     entry.write_bytes(backend._encode_cubin(garbage))
     assert backend.load(entry.name) == garbage
     cc._functions.clear()
+    cupy._util.clear_memo()  # CuPy's in-process module memo would answer without the disk
     with pytest.warns(RuntimeWarning, match="kernel cache") as record:
         _run_philox(device)
     assert len(record) == 1 and str(folder) in str(record[0].message)
