@@ -321,16 +321,6 @@ def info(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- check
 
 
-def cancelling_terms(q: np.ndarray, k: np.ndarray, dout: np.ndarray, out_ref: np.ndarray,
-                     scale: float | None) -> dict[str, float]:
-    """Magnitudes of the terms that cancel in dS = P (dP - D), per gradient (the ``magnitude``
-    of :func:`flashcupy.reference.tolerance`; as tests/support.py's ``cancelling_terms``)."""
-    t = float(np.max(np.sum(np.abs(np.asarray(dout, np.float64)) * np.abs(out_ref), axis=-1), initial=0.0))
-    s = abs(scale or 1.0 / np.sqrt(q.shape[-1]))
-    big = lambda x: float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))  # noqa: E731
-    return {"dq": s * t * big(k), "dk": s * t * big(q), "dv": 0.0, "dbias": t}
-
-
 def compare(ours: Any, ref: np.ndarray, naive: np.ndarray, dtype: Any,
             magnitude: float = 0.0) -> tuple[float, float, str]:
     """(max error, bound, problem or '') of one result under the tolerance rule: the same shape
@@ -414,7 +404,7 @@ def run_check_case(case: dict[str, Any], backend: str) -> list[tuple[str, float,
         o, l = reference.forward(pb, compute)
         refs.append(dict(out=o, lse=l, **dict(zip(("dq", "dk", "dv", "dbias"), reference.backward(pb, dout, compute)))))
     ref, naive = refs
-    terms = cancelling_terms(q, k, dout, ref["out"], options.get("scale"))
+    terms = reference.cancelling_terms(q, k, dout, ref["out"], options.get("scale"))
     ours = dict(zip(("out", "lse", "dq", "dk", "dv", "dbias"), (out, lse) + tuple(grads)))
     results = []
     for name, x in ours.items():

@@ -243,6 +243,22 @@ def tolerance(ref: np.ndarray, naive: np.ndarray, dtype: Any, magnitude: float =
     return float(2 * naive_err + ROUNDING_FLOOR[np.dtype(dtype)] * scale)
 
 
+def cancelling_terms(q: Any, k: Any, dout: Any, out_ref: np.ndarray, scale: float | None = None) -> dict[str, float]:
+    """Magnitudes of the terms that cancel in dS = P (dP - D), per gradient: the
+    ``magnitude`` argument of :func:`tolerance` for dq, dk, dv and dbias.
+
+    FlashAttention's backward takes D = rowsum(dO * O) from O rounded to the output
+    dtype, so where dP - D cancels (a row attending one key has dS = 0 exactly) the
+    gradient keeps a residual of |dO| |O| ulp: an error of the algorithm, relative to
+    these terms rather than to the (near-zero) result. ``out_ref`` is the float64 out.
+    """
+    o = np.abs(np.asarray(out_ref, np.float64))
+    t = float(np.max(np.sum(np.abs(np.asarray(dout, np.float64)) * o, axis=-1), initial=0.0))
+    scale = abs(scale or 1.0 / np.sqrt(np.shape(q)[-1]))
+    big = lambda x: float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))  # noqa: E731
+    return {"dq": scale * t * big(k), "dk": scale * t * big(q), "dv": 0.0, "dbias": t}
+
+
 def attention_reference(q: Any, k: Any, v: Any, **options: Any):
     """Dense float64 attention with exactly the semantics of :func:`flashcupy.flash_attention`.
 

@@ -56,18 +56,8 @@ def assert_rule(
 
 
 def cancelling_terms(case: "Case", ref: dict[str, np.ndarray]) -> dict[str, float]:
-    """Magnitudes of the terms that cancel in dS = P (dP - D) for each gradient.
-
-    FlashAttention's backward takes D = rowsum(dO * O) from O rounded to the
-    output dtype, so where dP - D cancels (a row attending one key has dS = 0
-    exactly) the gradient keeps a residual of |dO| |O| ulp: an error of the
-    algorithm, relative to these terms rather than to the (near-zero) result.
-    """
-    o = np.abs(np.asarray(ref["out"], np.float64))
-    t = float(np.max(np.sum(np.abs(np.asarray(case.dout, np.float64)) * o, axis=-1), initial=0.0))
-    scale = abs(case.options.get("scale") or 1.0 / np.sqrt(case.q.shape[-1]))
-    big = lambda x: float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))  # noqa: E731
-    return {"dq": scale * t * big(case.k), "dk": scale * t * big(case.q), "dv": 0.0, "dbias": t}
+    """:func:`flashcupy.reference.cancelling_terms` for a drawn case."""
+    return reference.cancelling_terms(case.q, case.k, case.dout, ref["out"], case.options.get("scale"))
 
 
 @contextlib.contextmanager
