@@ -42,12 +42,9 @@ __device__ __forceinline__ Acc quad_fetch(const Acc (&tile)[4], int upper, int c
     return (col_in_tile & 1) ? odd : even;
 }
 
-// ------------------------------------------------------------------ SIMT (portable)
-template <typename T, typename AccT>
-struct Simt {
-    using Acc = AccT;
-    static constexpr int MI = 1;
-
+// Policies whose second product reads P in the accumulator layout itself (one row group).
+template <typename Acc>
+struct PassP {
     template <int BN> using PFrag = Acc[1][BN / 8][4];
     template <int BN>
     static __device__ __forceinline__ void pack_p(const Acc (&s)[1][BN / 8][4], Acc (&pf)[1][BN / 8][4]) {
@@ -56,6 +53,13 @@ struct Simt {
 #pragma unroll
             for (int e = 0; e < 4; ++e) pf[0][n][e] = s[0][n][e];
     }
+};
+
+// ------------------------------------------------------------------ SIMT (portable)
+template <typename T, typename AccT>
+struct Simt : PassP<AccT> {
+    using Acc = AccT;
+    static constexpr int MI = 1;
 
     template <int HD, int BN, int LDQ, int LDK>
     static __device__ __forceinline__ void qk(const T* sQw, const T* sK, Acc (&s_)[1][BN / 8][4]) {
@@ -216,18 +220,9 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-struct MmaTf32 {
+struct MmaTf32 : PassP<float> {
     using Acc = float;
     static constexpr int MI = 1;
-
-    template <int BN> using PFrag = Acc[1][BN / 8][4];
-    template <int BN>
-    static __device__ __forceinline__ void pack_p(const Acc (&s)[1][BN / 8][4], Acc (&pf)[1][BN / 8][4]) {
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) pf[0][n][e] = s[0][n][e];
-    }
 
     template <int HD, int BN, int LDQ, int LDK>
     static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s_)[1][BN / 8][4]) {
@@ -270,18 +265,9 @@ __device__ __forceinline__ void mma_f64(double& c0, double& c1, double a, double
                  : "+d"(c0), "+d"(c1) : "d"(a), "d"(b));
 }
 
-struct MmaF64 {
+struct MmaF64 : PassP<double> {
     using Acc = double;
     static constexpr int MI = 1;
-
-    template <int BN> using PFrag = Acc[1][BN / 8][4];
-    template <int BN>
-    static __device__ __forceinline__ void pack_p(const Acc (&s)[1][BN / 8][4], Acc (&pf)[1][BN / 8][4]) {
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) pf[0][n][e] = s[0][n][e];
-    }
 
     template <int HD, int BN, int LDQ, int LDK>
     static __device__ __forceinline__ void qk(const double* sQw, const double* sK, double (&s_)[1][BN / 8][4]) {
