@@ -96,18 +96,38 @@ def _namespace(x: Any):
     return sys.modules[type(x).__module__.split(".")[0]]
 
 
+def _device_of(x: Any) -> int:
+    """The CUDA device index of a GPU array."""
+    if _is_cupy(x):
+        return x.device.id
+    if _gpu_dlpack(x):
+        return int(x.__dlpack_device__()[1])
+    return _cupy().asarray(x).device.id  # a __cuda_array_interface__ array: CuPy knows its device
+
+
 def restorer(x: Any) -> Callable[[Any], Any]:
-    """A function turning a NumPy or CuPy result back into ``x``'s array kind (and place)."""
+    """A function turning a NumPy or CuPy result back into ``x``'s array kind and place.
+
+    CuPy results are used as they are (they live on x's device already); host results of
+    a GPU caller are copied to x's own device, not CuPy's current one."""
     if isinstance(x, np.ndarray) or not (_has(x, "__dlpack__") or _has(x, "__cuda_array_interface__")):
         return to_numpy
-    if _is_cupy(x):
-        cupy = _cupy()
-        return lambda a: cupy.asarray(a)
-    ns = _namespace(x)
-    if _on_cpu_dlpack(x):
+    if not is_gpu_array(x):
+        ns = _namespace(x)
         return lambda a: ns.from_dlpack(to_numpy(a))
     cupy = _cupy()
-    return lambda a: ns.from_dlpack(cupy.asarray(a))
+    device = _device_of(x)
+
+    def on_device(a):
+        if isinstance(a, cupy.ndarray):
+            return a
+        with cupy.cuda.Device(device):
+            return cupy.asarray(a)
+
+    if _is_cupy(x):
+        return on_device
+    ns = _namespace(x)
+    return lambda a: ns.from_dlpack(on_device(a))
 
 
 @functools.lru_cache(maxsize=1)
