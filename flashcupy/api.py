@@ -13,9 +13,9 @@ from typing import Any, Callable
 from . import cpu, interop, rng
 from .problem import (
     BACKENDS, OPTION_DEFAULTS, Problem, check_device_backward_arrays, check_dropout, check_host_backward_arrays,
-    make_device_problem,
-    make_host_problem,
+    make_device_problem, make_host_problem,
 )
+
 
 def _backend(name: Any, q: Any = None) -> str:
     """The backend that will run: 'cpu' or 'cuda'.
