@@ -46,13 +46,13 @@ def _prepare(q: Any, k: Any, v: Any, options: dict[str, Any], backend: str | Non
     return make_device_problem(q, k, v, options), restore, backend
 
 
-def _compute(q: Any, k: Any, v: Any, options: dict[str, Any], run: Callable):
-    """(pb, restore, backend, run(pb, backend)) on the backend _prepare picks; with
-    backend='auto', on the CPU instead when no CUDA kernel fits this GPU (huge head dims in
-    float64 on small-shared-memory GPUs)."""
+def _compute(q: Any, k: Any, v: Any, options: dict[str, Any], run: Callable, prepared: tuple | None = None):
+    """(pb, restore, backend, run(pb, backend)) on the backend _prepare picks (or on an
+    already ``prepared`` (pb, restore, backend)); with backend='auto', on the CPU instead
+    when no CUDA kernel fits this GPU (huge head dims in float64 on small-shared-memory GPUs)."""
     from .cuda.spec import NoKernelError
 
-    pb, restore, backend = _prepare(q, k, v, options)
+    pb, restore, backend = prepared or _prepare(q, k, v, options)
     try:
         return pb, restore, backend, run(pb, backend)
     except NoKernelError:
@@ -232,14 +232,14 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
     ``return_lse=True`` makes the first result ``(out, lse)``.
     """
     options = _with_seed(options)
-    pb, restore, _, (out, lse) = _compute(q, k, v, options, _run_forward)
+    pb, restore, backend, (out, lse) = _compute(q, k, v, options, _run_forward)
 
     def vjp(dout: Any):
         """(dq, dk, dv[, dbias]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
         _, _, _, (dq, dk, dv, dbias) = _compute(
             q, k, v, options,
-            lambda pbb, backend: _run_backward(pbb, backend, dout, _squeeze(pb, out), _squeeze(pb, lse),
-                                               pb.bias is not None, False),
+            lambda pbb, be: _run_backward(pbb, be, dout, _squeeze(pb, out), _squeeze(pb, lse), pb.bias is not None, False),
+            prepared=(pb, restore, backend),  # the forward's validated problem: no second pass or copy
         )
         grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
         return grads + (restore(dbias),) if pb.bias is not None else grads

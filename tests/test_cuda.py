@@ -7,7 +7,6 @@ write fails the comparison.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
 import numpy as np
@@ -25,21 +24,17 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 from flashcupy import cuda  # noqa: E402  (needs CuPy)
 from flashcupy.cuda import compile as kernels  # noqa: E402
-from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_backward_specs, all_forward_specs  # noqa: E402
+from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_kernels  # noqa: E402
 
 GPU_SETTINGS = settings(max_examples=int(os.environ.get("FLASHCUPY_GPU_EXAMPLES", "60")), deadline=None)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def gpu_session():
-    """Poison every output; compile every forward specialisation of this GPU up front, in parallel."""
+    """Poison every output; compile every kernel of this GPU up front, in parallel."""
     device = cupy.cuda.Device().id
     arch, _ = cuda.device_limits(device)
-    kernels.precompile(all_forward_specs(min(arch, 90)), device, workers=os.cpu_count() or 4)
-    backward = [(n, s.smem_bytes) for s in all_backward_specs(min(arch, 90)) for n in (s.delta_name, s.dq_name, s.dkdv_name)]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        for future in [pool.submit(kernels.get_function, "backward", n, device, smem) for n, smem in set(backward)]:
-            future.result()
+    kernels.precompile(all_kernels(min(arch, 90)), device, workers=os.cpu_count() or 4)
     cuda.poison_outputs = True
     yield
     cuda.poison_outputs = False

@@ -27,7 +27,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .params import BWD_PARAMS_DTYPE, PARAMS_DTYPE
 from .spec import KernelSpec
@@ -257,12 +257,13 @@ def forward_function(spec: KernelSpec, device_id: int):
     return get_function("forward", spec.name_expression, device_id, spec.smem_bytes)
 
 
-def precompile(specs: list[KernelSpec], device_id: int, workers: int = 8) -> None:
-    """Compile forward ``specs`` for ``device_id`` ahead of use, ``workers`` at a time."""
+def precompile(kernels: Iterable[tuple[str, str, int]], device_id: int, workers: int = 8) -> None:
+    """Compile (family, name, shared memory) kernels for ``device_id`` ahead of use,
+    ``workers`` at a time (e.g. ``spec.all_kernels(arch)``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for future in [pool.submit(forward_function, spec, device_id) for spec in specs]:
+        for future in [pool.submit(get_function, family, name, device_id, smem) for family, name, smem in kernels]:
             future.result()
 
 

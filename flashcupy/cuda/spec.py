@@ -238,6 +238,17 @@ def all_backward_specs(arch: int) -> list[BackwardSpec]:
     return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r, s.block_c))
 
 
+def all_kernels(arch: int) -> list[tuple[str, str, int]]:
+    """(source family, name expression, dynamic shared memory) of every kernel the dispatcher
+    can launch on ``arch``, forward and backward, each once."""
+    kernels = {s.name_expression: ("forward", s.name_expression, s.smem_bytes) for s in all_forward_specs(arch)}
+    for s in all_backward_specs(arch):
+        kernels[s.delta_name] = ("backward", s.delta_name, 0)
+        for name in (s.dq_name, s.dkdv_name):
+            kernels[name] = ("backward", name, s.smem_bytes)
+    return sorted(kernels.values())
+
+
 #: Opt-in shared memory per block (bytes) of each architecture CI compiles for.
 ARCH_SMEM = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
