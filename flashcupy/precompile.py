@@ -94,11 +94,11 @@ def kernels_for(dtypes: Iterable[str], head_dims: Iterable[int], arch: int, smem
                     spec = select_forward(dtype, d, d, arch, smem_limit, allow_tf32, full=full)
                     found.setdefault(("forward", spec.name_expression),
                                      Kernel("forward", spec.name_expression, spec.smem_bytes))
-                if backward:
-                    bspec = select_backward(dtype, d, d, arch, smem_limit, allow_tf32)
-                    for name, smem in ((bspec.delta_name, 0), (bspec.dq_name, bspec.smem_bytes),
-                                       (bspec.dkdv_name, bspec.smem_bytes)):
-                        found.setdefault(("backward", name), Kernel("backward", name, smem))
+                    for deterministic in (False, True) if backward else ():
+                        bspec = select_backward(dtype, d, d, arch, smem_limit, allow_tf32,
+                                                deterministic=deterministic, full=full)
+                        for name, smem in bspec.kernels:
+                            found.setdefault(("backward", name), Kernel("backward", name, smem))
             except NoKernelError as exc:
                 if skipped is not None:
                     skipped.append(str(exc))

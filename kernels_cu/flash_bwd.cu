@@ -183,23 +183,40 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
     }
 }
 
-// ------------------------------------------------------------------ dK, dV (and dbias)
-template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C>
+// ------------------------------------------------------------------ dK, dV (and dbias, dQ)
+// FULL compiles bias (and dbias), ALiBi, softcap, masks, block mask and dropout, as in the
+// forward; without it only causal, window and lengths remain.
+// FUSED_DQ: dQ += dS K for this block's keys goes through shared memory and atomics into
+// bp.dq_accum (the fast path; flash_bwd_dq_convert scales and converts it afterwards).
+// Otherwise flash_bwd_dq computes dQ on its own, in a fixed order. STAGES (1 or 2): shared-
+// memory stages of the streamed Q, dO and statistics; with two, the next tile's copies run
+// during the current tile's products.
+template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C, bool FUSED_DQ, int STAGES, bool FULL>
 __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams bp) {
     using Acc = typename Policy::Acc;
+    using PElem = typename Policy::PElem;
     static_assert(Policy::MI == 1, "one 16-row group per warp");
-    constexpr int THREADS = BLOCK_R * 2;
+    static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
+    constexpr int THREADS = BLOCK_R * 2, WARPS = BLOCK_R / 16;
     constexpr int LD = HD + 16 / sizeof(T);
+    constexpr int LDS = BLOCK_C + 16 / sizeof(PElem);  // dS^T row pitch: conflict-free ldmatrix rows
     constexpr int NT = BLOCK_C / 8, NC = CH / 8;
+    // The dQ tile (BLOCK_C, CH) of one key tile: RG groups of 16 query rows, each split into
+    // WPR column slices of NQ, one (group, slice) per warp and pass.
+    constexpr int RG = BLOCK_C / 16 > 0 ? BLOCK_C / 16 : 1;
+    constexpr int WPR = WARPS >= RG ? WARPS / RG : 1;
+    constexpr int NQ = CH / WPR;
+    static_assert(!FUSED_DQ || (BLOCK_C % 16 == 0 && CH % WPR == 0 && NQ % 8 == 0), "dQ tile split");
     const Params& p = bp.f;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    T* sK = reinterpret_cast<T*>(smem);  // (BLOCK_R, HD) this block's keys
-    T* sV = sK + BLOCK_R * LD;           // (BLOCK_R, HD)
-    T* sQ = sV + BLOCK_R * LD;           // (BLOCK_C, HD) streamed queries
-    T* sdO = sQ + BLOCK_C * LD;          // (BLOCK_C, HD)
-    Acc* sLse = reinterpret_cast<Acc*>(sdO + BLOCK_C * LD);  // (BLOCK_C) lse in the log2 domain
-    Acc* sDelta = sLse + BLOCK_C;                              // (BLOCK_C)
+    T* sK = reinterpret_cast<T*>(smem);     // (BLOCK_R, HD) this block's keys
+    T* sV = sK + BLOCK_R * LD;              // (BLOCK_R, HD)
+    T* sQ = sV + BLOCK_R * LD;              // STAGES x (BLOCK_C, HD) streamed queries
+    T* sdO = sQ + STAGES * BLOCK_C * LD;    // STAGES x (BLOCK_C, HD)
+    PElem* sdS = reinterpret_cast<PElem*>(sdO + STAGES * BLOCK_C * LD);  // (BLOCK_R, BLOCK_C): dS^T, FUSED_DQ
+    Acc* sLse = reinterpret_cast<Acc*>(sdS + (FUSED_DQ ? BLOCK_R * LDS : 0));  // STAGES x (BLOCK_C) lse
+    Acc* sDelta = sLse + STAGES * BLOCK_C;                                    // STAGES x (BLOCK_C) D
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n_blocks = (p.lk + BLOCK_R - 1) / BLOCK_R;
@@ -228,6 +245,41 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
     if (p.causal != kNoCausal) i_lo = max(i_lo, j0 - (p.causal == kTopLeft ? 0 : hv0.diagonal));
     if (p.window_right >= 0) i_lo = max(i_lo, j0 - hv0.diagonal - p.window_right);
     if (p.window_left >= 0) i_hi = min(i_hi, j_last - hv0.diagonal + p.window_left + 1);
+    const int i_first = i_lo - i_lo % BLOCK_C;
+
+    // The query tiles are the pairs (query head of the group hq, first row i0), in order;
+    // advance moves (hq, i0) to the next one with a live score (hq == group: none left).
+    auto advance = [&](int& hq, int& i0) {
+        while (hq < group) {
+            if (i0 < i_hi) {
+                if constexpr (!FULL) return;  // no mask or block mask: every tile in range is live
+                const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
+                if (tile_live(p, hv, i0, min(i0 + BLOCK_C, i_hi), j0, j0 + max(keys_valid, 1))) return;  // uniform
+                i0 += BLOCK_C;
+            } else {
+                ++hq;
+                i0 = i_first;
+            }
+        }
+    };
+    // Copies of query tile (hq, i0) into stage st: Q, dO, lse and D (zero beyond i_hi).
+    auto load_queries = [&](int hq, int i0, int st) {
+        const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
+        const int rows = min(i0 + BLOCK_C, i_hi) - i0;
+        const i64 q_row0 = packed ? hv.q_start + i0 : i0;
+        const T* gQ = static_cast<const T*>(p.q) + (packed ? 0 : hv.b * p.q_sb) + hv.h * p.q_sh + q_row0 * p.q_sr;
+        const T* gdO = static_cast<const T*>(bp.dout) + (packed ? 0 : hv.b * bp.do_sb) + hv.h * bp.do_sh
+                       + q_row0 * bp.do_sr;
+        load_tile<T, BLOCK_C, HD, LD, THREADS>(sQ + st * BLOCK_C * LD, gQ, p.q_sr, rows, p.d);
+        load_tile<T, BLOCK_C, HD, LD, THREADS>(sdO + st * BLOCK_C * LD, gdO, bp.do_sr, rows, p.dv_stored);
+        const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh + i0;
+        for (int c = threadIdx.x; c < BLOCK_C; c += THREADS) {
+            const bool valid = c < rows;
+            cp_async_elem(sLse + st * BLOCK_C + c, static_cast<const Acc*>(p.lse) + stat + (valid ? c : 0), valid);
+            cp_async_elem(sDelta + st * BLOCK_C + c, static_cast<const Acc*>(bp.delta) + stat + (valid ? c : 0), valid);
+        }
+        cp_async_commit();
+    };
 
     const int r0 = j0 + 16 * warp + g;  // this thread's keys: r0 and r0 + 8
     Acc dk[1][NC][4], dv[1][NC][4];
@@ -237,70 +289,106 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
         for (int e = 0; e < 4; ++e) dk[0][n][e] = dv[0][n][e] = Acc(0);
     const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
 
-    for (int hq = 0; hq < group; ++hq) {
+    int hq = 0, i0 = i_first, st = 0;
+    advance(hq, i0);
+    if (hq < group) load_queries(hq, i0, 0);
+    while (hq < group) {
+        int next_hq = hq, next_i0 = i0 + BLOCK_C;
+        advance(next_hq, next_i0);
+        cp_async_wait<0>();
+        __syncthreads();  // tile (hq, i0) has landed; every warp is done with the other stage and sdS
+        if (STAGES == 2 && next_hq < group) load_queries(next_hq, next_i0, st ^ 1);
+
         const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
         const ScoreOp<Acc> score(p, hv);
-        const bool plain = !p.has_softcap && score.bias == nullptr && p.alibi == nullptr && score.mask == nullptr
-                           && score.block_mask == nullptr;
-        const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh;
-        const T* gQ = static_cast<const T*>(p.q) + (packed ? hv.q_start * p.q_sr : hv.b * p.q_sb) + hv.h * p.q_sh;
-        const T* gdO = static_cast<const T*>(bp.dout) + (packed ? hv.q_start * bp.do_sr : hv.b * bp.do_sb) + hv.h * bp.do_sh;
-        for (int i0 = i_lo - i_lo % BLOCK_C; i0 < i_hi; i0 += BLOCK_C) {
-            const int i1 = min(i0 + BLOCK_C, i_hi);
-            if (!tile_live(p, hv, i0, i1, j0, j0 + max(keys_valid, 1))) continue;  // uniform
-            __syncthreads();  // every warp is done with the previous Q, dO and statistics
-            load_tile<T, BLOCK_C, HD, LD, THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, i1 - i0, p.d);
-            load_tile<T, BLOCK_C, HD, LD, THREADS>(sdO, gdO + i0 * bp.do_sr, bp.do_sr, i1 - i0, p.dv_stored);
-            cp_async_commit();
-            for (int c = threadIdx.x; c < BLOCK_C; c += THREADS) {
-                const int i = i0 + c;
-                sLse[c] = i < i1 ? lse_log2(static_cast<const Acc*>(p.lse)[stat + i]) : Acc(0);
-                sDelta[c] = i < i1 ? static_cast<const Acc*>(bp.delta)[stat + i] : Acc(0);
-            }
-            cp_async_wait<0>();
-            __syncthreads();
+        const bool plain = !FULL || (!p.has_softcap && score.bias == nullptr && p.alibi == nullptr
+                                     && score.mask == nullptr && score.block_mask == nullptr);
+        const int i1 = min(i0 + BLOCK_C, i_hi);
+        const T* sQt = sQ + st * BLOCK_C * LD;
+        const T* sdOt = sdO + st * BLOCK_C * LD;
+        const Acc* sLset = sLse + st * BLOCK_C;
+        const Acc* sDeltat = sDelta + st * BLOCK_C;
 
-            Acc st[1][NT][4], dpt[1][NT][4];
+        Acc s_t[1][NT][4], dp_t[1][NT][4];
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
+        for (int n = 0; n < NT; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) st[0][n][e] = dpt[0][n][e] = Acc(0);
-            Policy::template qk<HD, BLOCK_C, LD, LD>(sK + 16 * warp * LD, sQ, st);   // S^T = K Q^T
-            Policy::template qk<HD, BLOCK_C, LD, LD>(sV + 16 * warp * LD, sdO, dpt); // dP^T = V dO^T
-            const bool fast = plain && i1 - i0 == BLOCK_C && keys_valid == BLOCK_R
-                              && tile_inside_band(p, hv, i0, i1, j0, j0 + BLOCK_R);
+            for (int e = 0; e < 4; ++e) s_t[0][n][e] = dp_t[0][n][e] = Acc(0);
+        Policy::template qk<HD, BLOCK_C, LD, LD>(sK + 16 * warp * LD, sQt, s_t);    // S^T = K Q^T
+        Policy::template qk<HD, BLOCK_C, LD, LD>(sV + 16 * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
+        const bool full_tile = i1 - i0 == BLOCK_C && keys_valid == BLOCK_R;
+        const bool band = !tile_inside_band(p, hv, i0, i1, j0, j0 + max(keys_valid, 1));
+        const bool fast = plain && full_tile && !band;
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
+        for (int n = 0; n < NT; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = r0 + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
-                    const bool valid = i < i1 && j < j0 + keys_valid;
-                    const Acc raw = st[0][n][e];
-                    const Acc sc = fast ? raw * score.scale_log2 : valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
-                    const Acc pe = fast_exp2(sc - sLse[c]);  // P^T = exp(S^T - lse)
-                    Acc z = Acc(1);
-                    if (p.dropout_threshold != 0)
-                        z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold) ? dropout_scale
-                                                                                                        : Acc(0);
-                    Acc ds = pe * (dpt[0][n][e] * z - sDelta[c]);  // dS^T = P^T (dP^T z - D)
+            for (int e = 0; e < 4; ++e) {
+                const int j = r0 + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
+                const bool valid = i < i1 && j < j0 + keys_valid;
+                const Acc raw = s_t[0][n][e];
+                Acc sc;  // the log2-domain score; -inf where masked (then P = exp2(-inf) = 0)
+                if constexpr (FULL) {
+                    sc = fast ? raw * score.scale_log2 : valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
+                } else {
+                    const bool keep = fast || (valid && (!band || in_band(p, hv, i, j)));
+                    sc = keep ? raw * score.scale_log2 : neg_inf<Acc>();
+                }
+                const Acc pe = fast_exp2(sc - lse_log2(sLset[c]));  // P^T = exp(S^T - lse)
+                Acc z = Acc(1);
+                if (FULL && p.dropout_threshold != 0)
+                    z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold) ? dropout_scale
+                                                                                                    : Acc(0);
+                Acc ds = pe * (dp_t[0][n][e] * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
+                if constexpr (FULL) {
                     if (bp.dbias != nullptr && chunk == 0 && ds != Acc(0)) {
-                        acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh + i * bp.db_si
-                                           + j * bp.db_sj,
+                        acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh
+                                           + i * bp.db_si + j * bp.db_sj,
                                        ds);
                     }
                     if (p.has_softcap) {
                         const Acc th = tanh_acc(raw * score.scale * score.inv_softcap);
-                        ds *= Acc(1) - th * th;
+                        ds *= Acc(1) - th * th;  // d(c tanh(x / c)) / dx = 1 - tanh^2
                     }
-                    st[0][n][e] = pe * z;  // P' = P z
-                    dpt[0][n][e] = ds;
                 }
-            typename Policy::template PFrag<BLOCK_C> pf;
-            Policy::template pack_p<BLOCK_C>(st, pf);
-            Policy::template pv<BLOCK_C, CH, LD>(pf, sdO + c0, dv);  // dV += P'^T dO
-            Policy::template pack_p<BLOCK_C>(dpt, pf);
-            Policy::template pv<BLOCK_C, CH, LD>(pf, sQ + c0, dk);   // dK += dS^T Q
+                s_t[0][n][e] = pe * z;  // P' = P z
+                dp_t[0][n][e] = ds;
+            }
+        typename Policy::template PFrag<BLOCK_C> pf;
+        Policy::template pack_p<BLOCK_C>(s_t, pf);
+        Policy::template pv<BLOCK_C, CH, LD>(pf, sdOt + c0, dv);  // dV += P'^T dO
+        Policy::template pack_p<BLOCK_C>(dp_t, pf);
+        Policy::template pv<BLOCK_C, CH, LD>(pf, sQt + c0, dk);   // dK += dS^T Q
+        if constexpr (FUSED_DQ) {
+            Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * warp * LDS);
+            __syncthreads();  // dS^T of every key of the block is in sdS
+            const i64 dqa = (packed ? hv.q_start * bp.dqa_sr : hv.b * bp.dqa_sb) + hv.h * bp.dqa_sh;
+            for (int task = warp; task < RG * WPR; task += WARPS) {
+                const int rg = task / WPR, n0 = (task - rg * WPR) * NQ;
+                Acc dq[1][NQ / 8][4];
+#pragma unroll
+                for (int n = 0; n < NQ / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dq[0][n][e] = Acc(0);
+                typename Policy::template PFrag<BLOCK_R> ds;
+                Policy::template load_pt<BLOCK_R, LDS>(sdS + 16 * rg, ds);   // dS (16 queries, BLOCK_R keys)
+                Policy::template pv<BLOCK_R, NQ, LD>(ds, sK + c0 + n0, dq);  // dQ_tile = dS K
+#pragma unroll
+                for (int n = 0; n < NQ / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = i0 + 16 * rg + g + 8 * (e >> 1), col = c0 + n0 + 8 * n + 2 * t + (e & 1);
+                        if (i < i1 && col < bp.d_true)
+                            acc_atomic_add(static_cast<Acc*>(bp.dq_accum) + dqa + i * bp.dqa_sr + col, dq[0][n][e]);
+                    }
+            }
         }
+        if (STAGES == 1 && next_hq < group) {
+            __syncthreads();  // every warp is done with the stage
+            load_queries(next_hq, next_i0, 0);
+        }
+        hq = next_hq;
+        i0 = next_i0;
+        st ^= STAGES - 1;
     }
     cp_async_wait<0>();
 
@@ -324,6 +412,26 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
                 if (col < v_cols) vrow[col] = static_cast<T>(live ? dv[0][n][2 * x + c] : Acc(0));
             }
     }
+}
+
+// ------------------------------------------------------------------ dQ = scale * dq_accum
+// After a FUSED_DQ flash_bwd_dkdv: one warp per row, like flash_bwd_delta.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(128) flash_bwd_dq_convert(const BwdParams bp) {
+    const Params& p = bp.f;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int bh = blockIdx.y + gridDim.y * blockIdx.z;
+    if (bh >= p.batch * p.hq) return;
+    const HeadView hv = head_view(p, bh);
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const int i = blockIdx.x * 4 + warp;
+    if (i >= (packed ? hv.q_len : p.lq)) return;
+    const i64 row = packed ? hv.q_start + i : i;
+    const Acc* acc = static_cast<const Acc*>(bp.dq_accum) + (packed ? 0 : hv.b * bp.dqa_sb) + hv.h * bp.dqa_sh
+                     + row * bp.dqa_sr;
+    T* dq = static_cast<T*>(bp.dq) + (packed ? 0 : hv.b * bp.dq_sb) + hv.h * bp.dq_sh + row * bp.dq_sr;
+    const Acc scale = static_cast<Acc>(p.scale);
+    for (int d = lane; d < bp.d_true; d += 32) dq[d] = static_cast<T>(i < hv.q_len ? acc[d] * scale : Acc(0));
 }
 
 }  // namespace flash

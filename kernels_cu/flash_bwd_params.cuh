@@ -15,12 +15,15 @@ struct BwdParams {
     void* dk;                  // like k
     void* dv;                  // like v
     void* dbias;               // accumulator-dtype buffer, strided by db_* (0 on reduced dims); or nullptr
+    void* dq_accum;            // accumulator-dtype dQ / scale, zeroed, strided by dqa_* (packed: dqa_sb unused);
+                               // nullptr when dQ has its own kernel (deterministic)
     i64 do_sb, do_sh, do_sr;
     i64 out_sb, out_sh, out_sr;
     i64 dq_sb, dq_sh, dq_sr;
     i64 dk_sb, dk_sh, dk_sr;
     i64 dv_sb, dv_sh, dv_sr;
     i64 db_sb, db_sh, db_si, db_sj;
+    i64 dqa_sb, dqa_sh, dqa_sr;
     i32 d_true;                // q's (and dq's) head dim: the columns dq and dk have
 };
 

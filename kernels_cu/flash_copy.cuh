@@ -24,6 +24,19 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
 #endif
 }
 
+// One 4- or 8-byte element (per-row statistics such as lse), zero when !valid.
+template <typename E>
+__device__ __forceinline__ void cp_async_elem(E* dst, const E* src, bool valid) {
+    static_assert(sizeof(E) == 4 || sizeof(E) == 8, "cp.async.ca copies 4 or 8 bytes here");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
+    const int bytes = valid ? static_cast<int>(sizeof(E)) : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(sizeof(E)), "r"(bytes));
+#else
+    *dst = valid ? *src : E(0);
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::);

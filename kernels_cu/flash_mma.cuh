@@ -11,6 +11,8 @@
 //
 //   qk: S (16 MI, BN) += Q_w (16 MI, HD) K^T,  Q_w and K (BN, HD) row-major in shared memory
 //   pack_p: P (the softmax numerators, in the layout above) -> the policy's A operand PFrag
+//   store_p / load_pt: a PFrag to shared memory (PElem), and an A operand read transposed
+//                      from there (the backward's dQ = dS K with dS stored key-major)
 //   pv: O (16 MI, DV) += P (16 MI, BN) V,      P as PFrag, V (BN, DV) in shared memory
 // Packing happens before the block's barrier, so only the (narrower) PFrag stays live.
 //
@@ -45,6 +47,7 @@ __device__ __forceinline__ Acc quad_fetch(const Acc (&tile)[4], int upper, int c
 // Policies whose second product reads P in the accumulator layout itself (one row group).
 template <typename Acc>
 struct PassP {
+    using PElem = Acc;  // element of a P fragment parked in shared memory
     template <int BN> using PFrag = Acc[1][BN / 8][4];
     template <int BN>
     static __device__ __forceinline__ void pack_p(const Acc (&s)[1][BN / 8][4], Acc (&pf)[1][BN / 8][4]) {
@@ -52,6 +55,27 @@ struct PassP {
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) pf[0][n][e] = s[0][n][e];
+    }
+
+    // The warp's fragment (16, BN) to shared memory, row-major with row pitch LDS.
+    template <int BN, int LDS>
+    static __device__ __forceinline__ void store_p(const Acc (&pf)[1][BN / 8][4], Acc* sP) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sP[(g + 8 * (e >> 1)) * LDS + 8 * n + 2 * t + (e & 1)] = pf[0][n][e];
+    }
+
+    // The A fragment (16, K) of A = M^T, where M (K, 16) is row-major in shared memory with
+    // row pitch LDA: a product's left operand stored transposed.
+    template <int K, int LDA>
+    static __device__ __forceinline__ void load_pt(const Acc* sM, Acc (&pf)[1][K / 8][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int n = 0; n < K / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pf[0][n][e] = sM[(8 * n + 2 * t + (e & 1)) * LDA + g + 8 * (e >> 1)];
     }
 };
 
@@ -185,6 +209,30 @@ struct MmaF16 {
                 a[mi][kk][2] = MmaF16Types<T>::pack(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
                 a[mi][kk][3] = MmaF16Types<T>::pack(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
             }
+    }
+
+    // Storing and reloading P (one row group): u32 pairs of T, so the reload is exact.
+    using PElem = T;
+    template <int BN, int LDS>
+    static __device__ __forceinline__ void store_p(const u32 (&a)[1][BN / 16][4], T* sP) {
+        static_assert(MI == 1 && LDS % 2 == 0, "one row group, 4-byte aligned pairs");
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)  // register r: rows g (+8 if r odd), columns 16 kk (+8 if r >= 2) + 2t
+                *reinterpret_cast<u32*>(sP + (g + 8 * (r & 1)) * LDS + 16 * kk + 8 * (r >> 1) + 2 * t) = a[0][kk][r];
+    }
+
+    // A = M^T (16, K) for M (K, 16) row-major in shared memory, through ldmatrix.trans:
+    // matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15).
+    template <int K, int LDA>
+    static __device__ __forceinline__ void load_pt(const T* sM, u32 (&a)[1][K / 16][4]) {
+        static_assert(MI == 1 && K % 16 == 0, "one row group, m16n8k16 tiles");
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+            ldmatrix_x4_trans(a[0][kk], sM + (16 * kk + (lane & 7) + ((lane >> 4) & 1) * 8) * LDA + ((lane >> 3) & 1) * 8);
     }
 
     template <int BN, int DV, int LDV>

@@ -141,9 +141,9 @@ def kernels(family: str, arch: int) -> list[Kernel]:
         return [Kernel(s.name_expression, s.policy, "flash::Params") for s in all_forward_specs(arch)]
     found = {}
     for s in all_backward_specs(arch):
-        found[s.delta_name] = Kernel(s.delta_name, "none", "flash::BwdParams")  # no matrix products
-        for name in (s.dq_name, s.dkdv_name):
-            found[name] = Kernel(name, s.policy, "flash::BwdParams")
+        for name, _ in s.kernels:  # the delta kernel and the dQ converter have no matrix products
+            products = not name.startswith(("flash::flash_bwd_delta<", "flash::flash_bwd_dq_convert<"))
+            found[name] = Kernel(name, s.policy if products else "none", "flash::BwdParams")
     return sorted(found.values())
 
 

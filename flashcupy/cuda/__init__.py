@@ -150,6 +150,11 @@ def _operands(pb: Problem, xp):
     return tuple(_rows(pb, x, xp) for x in (pb.q, pb.k, pb.v))
 
 
+def _needs_full(pb: Problem) -> bool:
+    return needs_full(pb.bias is not None, pb.mask is not None, pb.block_mask is not None,
+                      pb.alibi_slopes is not None, pb.softcap is not None, pb.dropout_p > 0)
+
+
 def forward(pb: Problem) -> tuple[Any, Any]:
     """(out, lse) of a problem on CuPy arrays, in the problem's internal layout."""
     import cupy as xp
@@ -157,9 +162,8 @@ def forward(pb: Problem) -> tuple[Any, Any]:
     device_id = pb.q.device.id
     with xp.cuda.Device(device_id):
         arch, smem_limit = device_limits(device_id)
-        full = needs_full(pb.bias is not None, pb.mask is not None, pb.block_mask is not None,
-                          pb.alibi_slopes is not None, pb.softcap is not None, pb.dropout_p > 0)
-        spec = select_forward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32, full=full)
+        spec = select_forward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
+                              full=_needs_full(pb))
         q, k, v = _operands(pb, xp)
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
@@ -204,7 +208,8 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
     device_id = pb.q.device.id
     with xp.cuda.Device(device_id):
         arch, smem_limit = device_limits(device_id)
-        spec = select_backward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32)
+        spec = select_backward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
+                               deterministic=deterministic, full=_needs_full(pb))
         acc = accumulator_dtype(pb.dtype)
         q, k, v = _operands(pb, xp)
         dout, out = _rows(pb, dout, xp), _rows(pb, out, xp)
@@ -214,8 +219,10 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         dk = _empty(pb.k.shape, pb.dtype, xp)
         dv = _empty(pb.v.shape, pb.dtype, xp)
         params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp)
-        fields = _rows_fields(pb, {"do": dout, "out": out, **{n: _merged(pb, g, xp) for n, g in
-                                                              (("dq", dq), ("dk", dk), ("dv", dv))}})
+        grads = {"dq": dq, "dk": dk, "dv": dv}
+        if spec.fused_dq:  # dS K / scale, added up by atomics: (..., rows, D) in the accumulator dtype
+            grads["dqa"] = dq_accum = xp.zeros(pb.q.shape[:-1] + (pb.head_dim,), dtype=acc)
+        fields = _rows_fields(pb, {"do": dout, "out": out, **{n: _merged(pb, g, xp) for n, g in grads.items()}})
         finish_dbias = None
         if bias_grad:
             dbias_view, finish_dbias = _dbias_buffer(pb, deterministic, xp)
@@ -224,21 +231,25 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
                 fields[f"db_{suffix}"] = s
         bparams = P.pack(
             P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr,
-            dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim, **fields,
+            dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim,
+            dq_accum=dq_accum.data.ptr if spec.fused_dq else 0, **fields,
         )
         batch = math.prod(pb.batch)
         heads, kv_heads = batch * pb.num_heads_q, batch * pb.num_heads_k
+        row_grid = _grid(-(-pb.seqlen_q // 4), heads)  # delta and the dQ converter: 4 rows per block
+        (delta_name, _), (dkdv_name, dkdv_smem), (dq_name, dq_smem) = spec.kernels
         if heads and pb.seqlen_q:
-            get_function("backward", spec.delta_name, device_id)(
-                _grid(-(-pb.seqlen_q // 4), heads), (128,), (bparams,))
-            get_function("backward", spec.dq_name, device_id, spec.smem_bytes)(
-                _grid(-(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.dq_chunk), heads), (spec.threads,),
-                (bparams,), shared_mem=spec.smem_bytes)
+            get_function("backward", delta_name, device_id)(row_grid, (128,), (bparams,))
         if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros
             chunks = -(-max(pb.head_dim, pb.head_dim_v) // spec.kv_chunk)
-            get_function("backward", spec.dkdv_name, device_id, spec.smem_bytes)(
+            get_function("backward", dkdv_name, device_id, dkdv_smem)(
                 _grid(-(-pb.seqlen_k // spec.block_r) * chunks, kv_heads), (spec.threads,), (bparams,),
-                shared_mem=spec.smem_bytes)
+                shared_mem=dkdv_smem)
+        if heads and pb.seqlen_q:
+            dq_grid = row_grid if spec.fused_dq else _grid(
+                -(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.dq_chunk), heads)
+            get_function("backward", dq_name, device_id, dq_smem)(
+                dq_grid, (128,) if spec.fused_dq else (spec.threads,), (bparams,), shared_mem=dq_smem)
         dbias = finish_dbias() if finish_dbias is not None else None
         del keep_alive
     return dq, dk, dv, dbias

@@ -9,6 +9,7 @@ which CI compiles.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -153,15 +154,23 @@ def needs_full(bias: bool, mask: bool, block_mask: bool, alibi: bool, softcap: b
 
 @dataclass(frozen=True)
 class BackwardSpec:
-    """The three backward kernels of one problem (kernels_cu/flash_bwd.cu) and their tiles."""
+    """The backward kernels of one problem (kernels_cu/flash_bwd.cu) and their tiles.
+
+    ``fused_dq``: flash_bwd_dkdv also adds dS K into a zeroed accumulator-dtype buffer
+    through atomics and flash_bwd_dq_convert scales it into dQ; otherwise (deterministic)
+    flash_bwd_dq recomputes the scores query-major and writes dQ in a fixed order.
+    """
 
     dtype: str
     policy: str      # key of POLICIES; tensor-core policies with one 16-row group per warp
     head_dim: int    # HD: padded head dim of q, k, v and dO in shared memory
-    dq_chunk: int    # CH of the dQ kernel: gradient columns per block
-    kv_chunk: int    # CH of the dK/dV kernel
+    dq_chunk: int    # CH of the dQ kernel: gradient columns per block (unfused)
+    kv_chunk: int    # CH of the dK/dV kernel (and of its dQ columns when fused)
     block_r: int     # rows of the block's own operand (16 per warp)
     block_c: int     # rows of the streamed operand per tile
+    fused_dq: bool = False
+    stages: int = 1  # shared-memory stages of the dK/dV kernel's streamed tiles
+    full: bool = True  # the dK/dV kernel compiled with bias, ALiBi, softcap, masks and dropout
 
     @property
     def threads(self) -> int:
@@ -171,39 +180,70 @@ class BackwardSpec:
     def itemsize(self) -> int:
         return KernelSpec(self.dtype, self.policy, self.head_dim, 16, 16, 1).itemsize
 
-    def _kernel(self, name: str, chunk: int) -> str:
+    @property
+    def acc_itemsize(self) -> int:
+        return 8 if self.dtype == "float64" else 4
+
+    def _kernel(self, name: str, chunk: int, *extra: str) -> str:
         t = CXX_TYPE[self.dtype]
         policy = POLICIES[self.policy][0](t).replace(", 2>", ", 1>")
-        return f"flash::{name}<{t}, {policy}, {self.head_dim}, {chunk}, {self.block_r}, {self.block_c}>"
+        return f"flash::{name}<{', '.join((t, policy, str(self.head_dim), str(chunk), str(self.block_r), str(self.block_c)) + extra)}>"
+
+    def _acc_kernel(self, name: str) -> str:
+        t = CXX_TYPE[self.dtype]
+        return f"flash::{name}<{t}, {'double' if t == 'double' else 'float'}>"
 
     @property
     def delta_name(self) -> str:
-        t = CXX_TYPE[self.dtype]
-        return f"flash::flash_bwd_delta<{t}, {'double' if t == 'double' else 'float'}>"
+        return self._acc_kernel("flash_bwd_delta")
 
     @property
     def dq_name(self) -> str:
-        return self._kernel("flash_bwd_dq", self.dq_chunk)
+        """The kernel that writes dQ: the converter when fused, else the query-major kernel."""
+        return self._acc_kernel("flash_bwd_dq_convert") if self.fused_dq else self._kernel("flash_bwd_dq",
+                                                                                          self.dq_chunk)
 
     @property
     def dkdv_name(self) -> str:
-        return self._kernel("flash_bwd_dkdv", self.kv_chunk)
+        flag = {True: "true", False: "false"}
+        return self._kernel("flash_bwd_dkdv", self.kv_chunk, flag[self.fused_dq], str(self.stages), flag[self.full])
+
+    def _row_bytes(self) -> int:
+        return (self.head_dim + 16 // self.itemsize) * self.itemsize  # rows padded by 16 bytes
+
+    @property
+    def dq_smem_bytes(self) -> int:
+        """flash_bwd_dq: Q and dO (block_r, HD), K and V (block_c, HD); the converter none."""
+        return 0 if self.fused_dq else 2 * (self.block_r + self.block_c) * self._row_bytes()
+
+    @property
+    def dkdv_smem_bytes(self) -> int:
+        """K and V (block_r, HD); per stage Q and dO (block_c, HD), lse and D (block_c); when
+        fused, dS^T (block_r, block_c) padded by 16 bytes per row, in T on the float16/bfloat16
+        tensor cores and in the accumulator dtype otherwise."""
+        pelem = self.itemsize if self.policy == "mma16" else self.acc_itemsize
+        ds = self.block_r * (self.block_c * pelem + 16) if self.fused_dq else 0
+        per_stage = 2 * self.block_c * self._row_bytes() + 2 * self.block_c * self.acc_itemsize
+        return 2 * self.block_r * self._row_bytes() + self.stages * per_stage + ds
 
     @property
     def smem_bytes(self) -> int:
-        """Two (block_r, HD) and two (block_c, HD) tiles padded by 16 bytes, plus lse and D per streamed row."""
-        pad = 16 // self.itemsize
-        acc = 8 if self.dtype == "float64" else 4
-        return 2 * (self.block_r + self.block_c) * (self.head_dim + pad) * self.itemsize + 2 * self.block_c * acc
+        return max(self.dq_smem_bytes, self.dkdv_smem_bytes)
+
+    @property
+    def kernels(self) -> list[tuple[str, int]]:
+        """(name expression, dynamic shared memory) of the three launches, in launch order."""
+        return [(self.delta_name, 0), (self.dkdv_name, self.dkdv_smem_bytes), (self.dq_name, self.dq_smem_bytes)]
 
 
 def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
-                    portable: bool | None = None) -> BackwardSpec:
+                    portable: bool | None = None, deterministic: bool = False, full: bool = True) -> BackwardSpec:
     """The backward kernels for this problem on a GPU of compute capability ``arch``.
 
-    Gradient columns come in chunks (64, 32 for float64; dQ on the float16/bfloat16 tensor
-    cores: 128) so that dK and dV (or dQ) stay in registers beside S and dP whatever the
-    head dim. Raises NoKernelError when no tile fits.
+    Gradient columns come in chunks (float16/bfloat16 on tensor cores: up to 128; float64:
+    32; otherwise 64) so that dK and dV (or dQ) stay in registers beside S and dP whatever
+    the head dim. ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
+    :func:`select_forward`. Raises NoKernelError when no tile fits.
     """
     portable = force_portable() if portable is None else portable
     policy = policy_for(dtype, arch, allow_tf32, portable)
@@ -212,10 +252,17 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     tiles = ((64, 16), (32, 16), (16, 16)) if wide else ((64, 32), (64, 16), (32, 16), (16, 16))
     if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
         tiles += ((16, 8),)
+    # dK and dV of a 128-wide chunk take 128 registers a thread; beside the full score
+    # pipeline at D > 128 (two chunks or more anyway) that spills, so it takes 64.
+    kv_chunk = min(hd, (64 if full and hd > 128 else 128) if policy == "mma16" else 32 if wide else 64)
+    dq_chunk = min(hd, 128) if policy == "mma16" else kv_chunk
+    fused = not deterministic
     for block_r, block_c in tiles:
-        kv_chunk = min(hd, 32 if wide else 64)
-        spec = BackwardSpec(dtype, policy, hd, min(hd, 128) if policy == "mma16" else kv_chunk, kv_chunk, block_r,
-                            block_c)
+        spec = BackwardSpec(dtype, policy, hd, dq_chunk, kv_chunk, block_r, block_c, fused and block_c % 16 == 0,
+                            2, full)
+        # A second stage of the streamed tiles only while two blocks still fit on an SM.
+        if 2 * spec.smem_bytes > smem_limit:
+            spec = dataclasses.replace(spec, stages=1)
         if spec.smem_bytes <= smem_limit:
             return spec
     raise NoKernelError(
@@ -231,11 +278,14 @@ def all_backward_specs(arch: int) -> list[BackwardSpec]:
         for bucket in HEAD_DIM_BUCKETS:
             for allow_tf32 in (False, True):
                 for portable in (False, True):
-                    try:
-                        specs.add(select_backward(dtype, bucket, bucket, arch, ARCH_SMEM[arch], allow_tf32, portable))
-                    except NoKernelError:
-                        pass
-    return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r, s.block_c))
+                    for deterministic in (False, True):
+                        for full in (False, True):
+                            try:
+                                specs.add(select_backward(dtype, bucket, bucket, arch, ARCH_SMEM[arch], allow_tf32,
+                                                          portable, deterministic, full))
+                            except NoKernelError:
+                                pass
+    return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r, s.block_c, s.fused_dq))
 
 
 def all_kernels(arch: int) -> list[tuple[str, str, int]]:
@@ -243,9 +293,8 @@ def all_kernels(arch: int) -> list[tuple[str, str, int]]:
     can launch on ``arch``, forward and backward, each once."""
     kernels = {s.name_expression: ("forward", s.name_expression, s.smem_bytes) for s in all_forward_specs(arch)}
     for s in all_backward_specs(arch):
-        kernels[s.delta_name] = ("backward", s.delta_name, 0)
-        for name in (s.dq_name, s.dkdv_name):
-            kernels[name] = ("backward", name, s.smem_bytes)
+        for name, smem in s.kernels:
+            kernels[name] = ("backward", name, smem)
     return sorted(kernels.values())
 
 
