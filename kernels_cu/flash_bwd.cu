@@ -30,8 +30,28 @@ template <typename Acc> __device__ __forceinline__ Acc lse_log2(Acc lse) {
     return lse == neg_inf<Acc>() ? Acc(0) : lse * static_cast<Acc>(kLog2e);
 }
 
-template <typename Acc> __device__ __forceinline__ Acc acc_atomic_add(Acc* address, Acc value) {
-    return atomicAdd(address, value);
+template <typename Acc> __device__ __forceinline__ void acc_atomic_add(Acc* address, Acc value) {
+    atomicAdd(address, value);
+}
+
+// address[0] += a, address[1] += b (address 8-byte aligned for float): one vector
+// reduction on sm_90, which fills the 32-byte sectors the scalar pair would half-use.
+__device__ __forceinline__ void acc_atomic_add2(float* address, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b));
+#else
+    atomicAdd(address, a);
+    atomicAdd(address + 1, b);
+#endif
+}
+__device__ __forceinline__ void acc_atomic_add2(double* address, double a, double b) {
+    atomicAdd(address, a);
+    atomicAdd(address + 1, b);
+}
+
+// The most column slices, at most `most`, that split `width` into multiples of `align`.
+__host__ __device__ constexpr int dq_slices(int most, int width, int align) {
+    return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
 }
 
 // ------------------------------------------------------------------ D = rowsum(dO * O)
@@ -53,8 +73,9 @@ __global__ void __launch_bounds__(128) flash_bwd_delta(const BwdParams bp) {
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
     if (lane == 0) {
-        Acc* delta = static_cast<Acc*>(bp.delta) + (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh;
-        delta[i] = i < hv.q_len ? sum : Acc(0);
+        const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh + i;
+        static_cast<Acc*>(bp.delta)[stat] = i < hv.q_len ? sum : Acc(0);
+        static_cast<Acc*>(bp.lse2)[stat] = i < hv.q_len ? lse_log2(static_cast<const Acc*>(p.lse)[stat]) : Acc(0);
     }
 }
 
@@ -108,7 +129,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
         const int i = r0 + 8 * x;
-        lse2[x] = i < hv.q_len ? lse_log2(static_cast<const Acc*>(p.lse)[stat + i]) : Acc(0);
+        lse2[x] = i < hv.q_len ? static_cast<const Acc*>(bp.lse2)[stat + i] : Acc(0);
         delta[x] = i < hv.q_len ? static_cast<const Acc*>(bp.delta)[stat + i] : Acc(0);
     }
     Acc dq[1][NC][4];
@@ -149,7 +170,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
                 const Acc raw = s[0][n][e];
                 const Acc sc = fast ? raw * score.scale_log2
                                     : (j < j1 && i < hv.q_len) ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
-                const Acc pe = fast_exp2(sc - lse2[x]);                             // P = exp(S - lse)
+                const Acc pe = softmax_exp2(sc - lse2[x]);                          // P = exp(S - lse)
                 const Acc z = p.dropout_threshold != 0 ? (keep[e] ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = pe * (dp[0][n][e] * z - delta[x]);                          // dS = P (dP z - D)
                 if (p.has_softcap) {
@@ -192,21 +213,23 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
 // memory stages of the streamed Q, dO and statistics; with two, the next tile's copies run
 // during the current tile's products.
 template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C, bool FUSED_DQ, int STAGES, bool FULL>
-__global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams bp) {
+__global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(const BwdParams bp) {
     using Acc = typename Policy::Acc;
     using PElem = typename Policy::PElem;
-    static_assert(Policy::MI == 1, "one 16-row group per warp");
+    using One = typename Policy::One;  // the policy with one row group: the dQ product's
+    constexpr int MI = Policy::MI;     // 16-key groups per warp
     static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
-    constexpr int THREADS = BLOCK_R * 2, WARPS = BLOCK_R / 16;
+    constexpr int WARPS = BLOCK_R / (16 * MI), THREADS = 32 * WARPS;
     constexpr int LD = HD + 16 / sizeof(T);
     constexpr int LDS = BLOCK_C + 16 / sizeof(PElem);  // dS^T row pitch: conflict-free ldmatrix rows
     constexpr int NT = BLOCK_C / 8, NC = CH / 8;
     // The dQ tile (BLOCK_C, CH) of one key tile: RG groups of 16 query rows, each split into
-    // WPR column slices of NQ, one (group, slice) per warp and pass.
+    // WPR column slices of NQ (a multiple of the policy's product width), one (group, slice)
+    // per warp and pass.
     constexpr int RG = BLOCK_C / 16 > 0 ? BLOCK_C / 16 : 1;
-    constexpr int WPR = WARPS >= RG ? WARPS / RG : 1;
+    constexpr int WPR = dq_slices(WARPS >= RG ? WARPS / RG : 1, CH, One::PV_N);
     constexpr int NQ = CH / WPR;
-    static_assert(!FUSED_DQ || (BLOCK_C % 16 == 0 && CH % WPR == 0 && NQ % 8 == 0), "dQ tile split");
+    static_assert(!FUSED_DQ || BLOCK_C % 16 == 0, "dQ row groups of 16 queries");
     const Params& p = bp.f;
 
     extern __shared__ __align__(16) unsigned char smem[];
@@ -215,7 +238,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
     T* sQ = sV + BLOCK_R * LD;              // STAGES x (BLOCK_C, HD) streamed queries
     T* sdO = sQ + STAGES * BLOCK_C * LD;    // STAGES x (BLOCK_C, HD)
     PElem* sdS = reinterpret_cast<PElem*>(sdO + STAGES * BLOCK_C * LD);  // (BLOCK_R, BLOCK_C): dS^T, FUSED_DQ
-    Acc* sLse = reinterpret_cast<Acc*>(sdS + (FUSED_DQ ? BLOCK_R * LDS : 0));  // STAGES x (BLOCK_C) lse
+    Acc* sLse = reinterpret_cast<Acc*>(sdS + (FUSED_DQ ? BLOCK_R * LDS : 0));  // STAGES x (BLOCK_C) lse2
     Acc* sDelta = sLse + STAGES * BLOCK_C;                                    // STAGES x (BLOCK_C) D
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -275,18 +298,20 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
         const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh + i0;
         for (int c = threadIdx.x; c < BLOCK_C; c += THREADS) {
             const bool valid = c < rows;
-            cp_async_elem(sLse + st * BLOCK_C + c, static_cast<const Acc*>(p.lse) + stat + (valid ? c : 0), valid);
+            cp_async_elem(sLse + st * BLOCK_C + c, static_cast<const Acc*>(bp.lse2) + stat + (valid ? c : 0), valid);
             cp_async_elem(sDelta + st * BLOCK_C + c, static_cast<const Acc*>(bp.delta) + stat + (valid ? c : 0), valid);
         }
         cp_async_commit();
     };
 
-    const int r0 = j0 + 16 * warp + g;  // this thread's keys: r0 and r0 + 8
-    Acc dk[1][NC][4], dv[1][NC][4];
+    const int r0 = j0 + 16 * MI * warp + g;  // this thread's keys: r0 + 16 mi and r0 + 16 mi + 8
+    Acc dk[MI][NC][4], dv[MI][NC][4];
 #pragma unroll
-    for (int n = 0; n < NC; ++n)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk[0][n][e] = dv[0][n][e] = Acc(0);
+        for (int n = 0; n < NC; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[mi][n][e] = dv[mi][n][e] = Acc(0);
     const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
 
     int hq = 0, i0 = i_first, st = 0;
@@ -309,36 +334,45 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
         const Acc* sLset = sLse + st * BLOCK_C;
         const Acc* sDeltat = sDelta + st * BLOCK_C;
 
-        Acc s_t[1][NT][4], dp_t[1][NT][4];
+        Acc s_t[MI][NT][4], dp_t[MI][NT][4];
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s_t[0][n][e] = dp_t[0][n][e] = Acc(0);
-        Policy::template qk<HD, BLOCK_C, LD, LD>(sK + 16 * warp * LD, sQt, s_t);    // S^T = K Q^T
-        Policy::template qk<HD, BLOCK_C, LD, LD>(sV + 16 * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s_t[mi][n][e] = dp_t[mi][n][e] = Acc(0);
+        // Two row groups keep dK and dV for 32 keys live: unroll two k-steps, not all.
+        constexpr int K_UNROLL = MI == 2 ? 2 : 0;
+        Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sK + 16 * MI * warp * LD, sQt, s_t);    // S^T = K Q^T
+        Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sV + 16 * MI * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
         const bool full_tile = i1 - i0 == BLOCK_C && keys_valid == BLOCK_R;
         const bool band = !tile_inside_band(p, hv, i0, i1, j0, j0 + max(keys_valid, 1));
         const bool fast = plain && full_tile && !band;
 #pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int j = r0 + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
+                const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
                 const bool valid = i < i1 && j < j0 + keys_valid;
-                const Acc raw = s_t[0][n][e];
-                Acc sc;  // the log2-domain score; -inf where masked (then P = exp2(-inf) = 0)
+                const Acc raw = s_t[mi][n][e];
+                // The log2-domain score minus lse2, one FMA on the fast path; -inf where masked
+                // (then P = exp2(-inf) = 0, lse2 being finite).
+                Acc x;
                 if constexpr (FULL) {
-                    sc = fast ? raw * score.scale_log2 : valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>();
+                    x = fast ? raw * score.scale_log2 - sLset[c]
+                             : (valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>()) - sLset[c];
                 } else {
                     const bool keep = fast || (valid && (!band || in_band(p, hv, i, j)));
-                    sc = keep ? raw * score.scale_log2 : neg_inf<Acc>();
+                    x = keep ? raw * score.scale_log2 - sLset[c] : neg_inf<Acc>();
                 }
-                const Acc pe = fast_exp2(sc - lse_log2(sLset[c]));  // P^T = exp(S^T - lse)
+                const Acc pe = softmax_exp2(x);  // P^T = exp(S^T - lse)
                 Acc z = Acc(1);
                 if (FULL && p.dropout_threshold != 0)
                     z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold) ? dropout_scale
                                                                                                     : Acc(0);
-                Acc ds = pe * (dp_t[0][n][e] * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
+                Acc ds = pe * (dp_t[mi][n][e] * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
                 if constexpr (FULL) {
                     if (bp.dbias != nullptr && chunk == 0 && ds != Acc(0)) {
                         acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh
@@ -350,8 +384,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
                         ds *= Acc(1) - th * th;  // d(c tanh(x / c)) / dx = 1 - tanh^2
                     }
                 }
-                s_t[0][n][e] = pe * z;  // P' = P z
-                dp_t[0][n][e] = ds;
+                s_t[mi][n][e] = pe * z;  // P' = P z
+                dp_t[mi][n][e] = ds;
             }
         typename Policy::template PFrag<BLOCK_C> pf;
         Policy::template pack_p<BLOCK_C>(s_t, pf);
@@ -359,7 +393,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
         Policy::template pack_p<BLOCK_C>(dp_t, pf);
         Policy::template pv<BLOCK_C, CH, LD>(pf, sQt + c0, dk);   // dK += dS^T Q
         if constexpr (FUSED_DQ) {
-            Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * warp * LDS);
+            Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * MI * warp * LDS);
             __syncthreads();  // dS^T of every key of the block is in sdS
             const i64 dqa = (packed ? hv.q_start * bp.dqa_sr : hv.b * bp.dqa_sb) + hv.h * bp.dqa_sh;
             for (int task = warp; task < RG * WPR; task += WARPS) {
@@ -369,17 +403,25 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
                 for (int n = 0; n < NQ / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) dq[0][n][e] = Acc(0);
-                typename Policy::template PFrag<BLOCK_R> ds;
-                Policy::template load_pt<BLOCK_R, LDS>(sdS + 16 * rg, ds);   // dS (16 queries, BLOCK_R keys)
-                Policy::template pv<BLOCK_R, NQ, LD>(ds, sK + c0 + n0, dq);  // dQ_tile = dS K
+                // dQ_tile = dS K, over the block's keys KC at a time (fewer live fragments)
+                constexpr int KC = BLOCK_R % 32 == 0 ? 32 : 16;
 #pragma unroll
-                for (int n = 0; n < NQ / 8; ++n)
+                for (int k0 = 0; k0 < BLOCK_R; k0 += KC) {
+                    typename One::template PFrag<KC> ds;
+                    One::template load_pt<KC, LDS>(sdS + k0 * LDS + 16 * rg, ds);  // dS (16 queries, KC keys)
+                    One::template pv<KC, NQ, LD>(ds, sK + k0 * LD + c0 + n0, dq);
+                }
+                // Column pairs (2t, 2t + 1): d_true is even or the pair's second column is
+                // padding of the accumulator (its row stride is the padded width, even).
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int i = i0 + 16 * rg + g + 8 * (e >> 1), col = c0 + n0 + 8 * n + 2 * t + (e & 1);
-                        if (i < i1 && col < bp.d_true)
-                            acc_atomic_add(static_cast<Acc*>(bp.dq_accum) + dqa + i * bp.dqa_sr + col, dq[0][n][e]);
-                    }
+                for (int x = 0; x < 2; ++x) {
+                    const int i = i0 + 16 * rg + g + 8 * x;
+                    if (i >= i1) continue;
+                    Acc* row = static_cast<Acc*>(bp.dq_accum) + dqa + i * bp.dqa_sr + c0 + n0 + 2 * t;
+#pragma unroll
+                    for (int n = 0; n < NQ / 8; ++n)
+                        if (c0 + n0 + 8 * n + 2 * t < bp.d_true) acc_atomic_add2(row + 8 * n, dq[0][n][2 * x], dq[0][n][2 * x + 1]);
+                }
             }
         }
         if (STAGES == 1 && next_hq < group) {
@@ -397,8 +439,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
     const Acc scale = static_cast<Acc>(p.scale);
     const int k_cols = min(CH, bp.d_true - c0), v_cols = min(CH, p.dv - c0);
 #pragma unroll
-    for (int x = 0; x < 2; ++x) {
-        const int j = r0 + 8 * x;
+    for (int x = 0; x < 2 * MI; ++x) {  // keys r0 + 8 x: row group x / 2, upper half x % 2
+        const int j = r0 + 8 * x, mi = x >> 1, e0 = 2 * (x & 1);
         if (j >= frame_keys) continue;
         const bool live = j < hv0.kv_len;
         T* krow = static_cast<T*>(bp.dk) + dk_off + j * bp.dk_sr + c0;
@@ -408,8 +450,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dkdv(const BwdParams
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int col = 8 * n + 2 * t + c;
-                if (col < k_cols) krow[col] = static_cast<T>(live ? dk[0][n][2 * x + c] * scale : Acc(0));
-                if (col < v_cols) vrow[col] = static_cast<T>(live ? dv[0][n][2 * x + c] : Acc(0));
+                if (col < k_cols) krow[col] = static_cast<T>(live ? dk[mi][n][e0 + c] * scale : Acc(0));
+                if (col < v_cols) vrow[col] = static_cast<T>(live ? dv[mi][n][e0 + c] : Acc(0));
             }
     }
 }

@@ -17,6 +17,7 @@ struct BwdParams {
     void* dbias;               // accumulator-dtype buffer, strided by db_* (0 on reduced dims); or nullptr
     void* dq_accum;            // accumulator-dtype dQ / scale, zeroed, strided by dqa_* (packed: dqa_sb unused);
                                // nullptr when dQ has its own kernel (deterministic)
+    void* lse2;                // lse * log2(e), 0 where lse = -inf: written by flash_bwd_delta, laid out like lse
     i64 do_sb, do_sh, do_sr;
     i64 out_sb, out_sh, out_sr;
     i64 dq_sb, dq_sh, dq_sr;

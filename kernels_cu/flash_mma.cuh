@@ -10,6 +10,7 @@
 // feed two products instead of one.
 //
 //   qk: S (16 MI, BN) += Q_w (16 MI, HD) K^T,  Q_w and K (BN, HD) row-major in shared memory
+//       (K_UNROLL: k-steps unrolled, where the policy's loop has a choice; 0 its default)
 //   pack_p: P (the softmax numerators, in the layout above) -> the policy's A operand PFrag
 //   store_p / load_pt: a PFrag to shared memory (PElem), and an A operand read transposed
 //                      from there (the backward's dQ = dS K with dS stored key-major)
@@ -47,6 +48,7 @@ __device__ __forceinline__ Acc quad_fetch(const Acc (&tile)[4], int upper, int c
 // Policies whose second product reads P in the accumulator layout itself (one row group).
 template <typename Acc>
 struct PassP {
+    static constexpr int PV_N = 8;  // pv's output width comes in multiples of this
     using PElem = Acc;  // element of a P fragment parked in shared memory
     template <int BN> using PFrag = Acc[1][BN / 8][4];
     template <int BN>
@@ -83,9 +85,10 @@ struct PassP {
 template <typename T, typename AccT>
 struct Simt : PassP<AccT> {
     using Acc = AccT;
+    using One = Simt;
     static constexpr int MI = 1;
 
-    template <int HD, int BN, int LDQ, int LDK>
+    template <int HD, int BN, int LDQ, int LDK, int K_UNROLL = 0>
     static __device__ __forceinline__ void qk(const T* sQw, const T* sK, Acc (&s_)[1][BN / 8][4]) {
         Acc(&s)[BN / 8][4] = s_[0];
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -171,13 +174,14 @@ struct MmaF16 {
     using Acc = float;
     static constexpr int MI = MI_;
 
-    template <int HD, int BN, int LDQ, int LDK>
+    template <int HD, int BN, int LDQ, int LDK, int K_UNROLL = 0>
     static __device__ __forceinline__ void qk(const T* sQw, const T* sK, float (&s)[MI][BN / 8][4]) {
         static_assert(HD % 16 == 0 && BN % 16 == 0, "m16n8k16 tiles");
         const int lane = threadIdx.x & 31;
         // Wide heads: two k-steps per iteration, enough independent MMAs to hide ldmatrix
         // latency without the full unroll's hoisted fragments, which spill beside a 32-row O.
-        constexpr int UNROLL = HD <= 64 ? HD / 16 : 2;
+        // K_UNROLL (when not 0) overrides it for callers with other register budgets.
+        constexpr int UNROLL = K_UNROLL != 0 ? K_UNROLL : HD <= 64 ? HD / 16 : 2;
 #pragma unroll UNROLL
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 a[MI][4];  // Q (16, 16) per row group: rows lane % 16, columns 16 kk + 8 (lane / 16)
@@ -211,17 +215,24 @@ struct MmaF16 {
             }
     }
 
-    // Storing and reloading P (one row group): u32 pairs of T, so the reload is exact.
+    static constexpr int PV_N = 16;  // pv's output width comes in multiples of this
+
+    using One = MmaF16<T, 1>;
+
+    // Storing P (the warp's 16 MI rows) and reloading it: u32 pairs of T, so the reload is exact.
     using PElem = T;
     template <int BN, int LDS>
-    static __device__ __forceinline__ void store_p(const u32 (&a)[1][BN / 16][4], T* sP) {
-        static_assert(MI == 1 && LDS % 2 == 0, "one row group, 4-byte aligned pairs");
+    static __device__ __forceinline__ void store_p(const u32 (&a)[MI][BN / 16][4], T* sP) {
+        static_assert(LDS % 2 == 0, "4-byte aligned pairs");
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int r = 0; r < 4; ++r)  // register r: rows g (+8 if r odd), columns 16 kk (+8 if r >= 2) + 2t
-                *reinterpret_cast<u32*>(sP + (g + 8 * (r & 1)) * LDS + 16 * kk + 8 * (r >> 1) + 2 * t) = a[0][kk][r];
+            for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r)  // register r: rows g (+8 if r odd), columns 16 kk (+8 if r >= 2) + 2t
+                    *reinterpret_cast<u32*>(sP + (16 * mi + g + 8 * (r & 1)) * LDS + 16 * kk + 8 * (r >> 1) + 2 * t) =
+                        a[mi][kk][r];
     }
 
     // A = M^T (16, K) for M (K, 16) row-major in shared memory, through ldmatrix.trans:
@@ -270,9 +281,10 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b
 
 struct MmaTf32 : PassP<float> {
     using Acc = float;
+    using One = MmaTf32;
     static constexpr int MI = 1;
 
-    template <int HD, int BN, int LDQ, int LDK>
+    template <int HD, int BN, int LDQ, int LDK, int K_UNROLL = 0>
     static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s_)[1][BN / 8][4]) {
         float(&s)[BN / 8][4] = s_[0];
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -315,9 +327,10 @@ __device__ __forceinline__ void mma_f64(double& c0, double& c1, double a, double
 
 struct MmaF64 : PassP<double> {
     using Acc = double;
+    using One = MmaF64;
     static constexpr int MI = 1;
 
-    template <int HD, int BN, int LDQ, int LDK>
+    template <int HD, int BN, int LDQ, int LDK, int K_UNROLL = 0>
     static __device__ __forceinline__ void qk(const double* sQw, const double* sK, double (&s_)[1][BN / 8][4]) {
         double(&s)[BN / 8][4] = s_[0];
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;

@@ -214,14 +214,14 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         q, k, v = _operands(pb, xp)
         dout, out = _rows(pb, dout, xp), _rows(pb, out, xp)
         lse = xp.ascontiguousarray(lse, dtype=acc)
-        delta = xp.empty(pb.lse_shape, dtype=acc)
+        delta, lse2 = xp.empty(pb.lse_shape, dtype=acc), xp.empty(pb.lse_shape, dtype=acc)
         dq = _empty(pb.q.shape, pb.dtype, xp)
         dk = _empty(pb.k.shape, pb.dtype, xp)
         dv = _empty(pb.v.shape, pb.dtype, xp)
         params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp)
         grads = {"dq": dq, "dk": dk, "dv": dv}
-        if spec.fused_dq:  # dS K / scale, added up by atomics: (..., rows, D) in the accumulator dtype
-            grads["dqa"] = dq_accum = xp.zeros(pb.q.shape[:-1] + (pb.head_dim,), dtype=acc)
+        if spec.fused_dq:  # dS K / scale, added up by atomics in column pairs: (..., rows, D rounded up to even)
+            grads["dqa"] = dq_accum = xp.zeros(pb.q.shape[:-1] + (-(-pb.head_dim // 2) * 2,), dtype=acc)
         fields = _rows_fields(pb, {"do": dout, "out": out, **{n: _merged(pb, g, xp) for n, g in grads.items()}})
         finish_dbias = None
         if bias_grad:
@@ -230,7 +230,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(dbias_view)):
                 fields[f"db_{suffix}"] = s
         bparams = P.pack(
-            P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr,
+            P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr, lse2=lse2.data.ptr,
             dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim,
             dq_accum=dq_accum.data.ptr if spec.fused_dq else 0, **fields,
         )

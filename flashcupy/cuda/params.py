@@ -35,7 +35,7 @@ PARAMS_DTYPE = np.dtype(
 #: flash::BwdParams (kernels_cu/flash_bwd_params.cuh): the forward's block plus gradients.
 BWD_PARAMS_DTYPE = np.dtype(
     [("f", PARAMS_DTYPE)]
-    + [(n, np.uint64) for n in ("dout", "out", "delta", "dq", "dk", "dv", "dbias", "dq_accum")]
+    + [(n, np.uint64) for n in ("dout", "out", "delta", "dq", "dk", "dv", "dbias", "dq_accum", "lse2")]
     + [(n, np.int64) for n in ("do_sb", "do_sh", "do_sr", "out_sb", "out_sh", "out_sr", "dq_sb", "dq_sh", "dq_sr",
                                "dk_sb", "dk_sh", "dk_sr", "dv_sb", "dv_sh", "dv_sr", "db_sb", "db_sh", "db_si",
                                "db_sj", "dqa_sb", "dqa_sh", "dqa_sr")]

@@ -171,10 +171,12 @@ class BackwardSpec:
     fused_dq: bool = False
     stages: int = 1  # shared-memory stages of the dK/dV kernel's streamed tiles
     full: bool = True  # the dK/dV kernel compiled with bias, ALiBi, softcap, masks and dropout
+    mi: int = 1        # 16-key row groups per warp of the dK/dV kernel (2: float16/bfloat16 only)
 
     @property
     def threads(self) -> int:
-        return 2 * self.block_r
+        """Threads of the dK/dV kernel and of the unfused dQ kernel (whose mi is 1)."""
+        return 32 * self.block_r // (16 * self.mi)
 
     @property
     def itemsize(self) -> int:
@@ -184,9 +186,9 @@ class BackwardSpec:
     def acc_itemsize(self) -> int:
         return 8 if self.dtype == "float64" else 4
 
-    def _kernel(self, name: str, chunk: int, *extra: str) -> str:
+    def _kernel(self, name: str, chunk: int, *extra: str, mi: int = 1) -> str:
         t = CXX_TYPE[self.dtype]
-        policy = POLICIES[self.policy][0](t).replace(", 2>", ", 1>")
+        policy = POLICIES[self.policy][0](t).replace(", 2>", f", {mi}>")
         return f"flash::{name}<{', '.join((t, policy, str(self.head_dim), str(chunk), str(self.block_r), str(self.block_c)) + extra)}>"
 
     def _acc_kernel(self, name: str) -> str:
@@ -206,7 +208,8 @@ class BackwardSpec:
     @property
     def dkdv_name(self) -> str:
         flag = {True: "true", False: "false"}
-        return self._kernel("flash_bwd_dkdv", self.kv_chunk, flag[self.fused_dq], str(self.stages), flag[self.full])
+        return self._kernel("flash_bwd_dkdv", self.kv_chunk, flag[self.fused_dq], str(self.stages), flag[self.full],
+                            mi=self.mi)
 
     def _row_bytes(self) -> int:
         return (self.head_dim + 16 // self.itemsize) * self.itemsize  # rows padded by 16 bytes
@@ -249,19 +252,27 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     policy = policy_for(dtype, arch, allow_tf32, portable)
     hd = head_dim_bucket(max(d, dv))
     wide = dtype == "float64"
-    tiles = ((64, 16), (32, 16), (16, 16)) if wide else ((64, 32), (64, 16), (32, 16), (16, 16))
+    # (block_r, block_c, 16-key groups per warp of the dK/dV kernel)
+    tiles = ((64, 16, 1), (32, 16, 1), (16, 16, 1)) if wide else (
+        (64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))
+    if policy == "mma16" and not deterministic:
+        # 128 keys a block share each streamed tile (fewer dQ atomics per key); 64 queries
+        # per tile, or two key groups per warp (D <= 32), only where S and dP of that size
+        # fit beside dK and dV without a spill (measured: bench/NOTES.md).
+        tiles = ((128, 32, 2),) * (hd <= 32) + ((128, 64, 1),) * (hd <= 64 and not full) + ((128, 32, 1),) + tiles
     if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
-        tiles += ((16, 8),)
+        tiles += ((16, 8, 1),)
     # dK and dV of a 128-wide chunk take 128 registers a thread; beside the full score
     # pipeline at D > 128 (two chunks or more anyway) that spills, so it takes 64.
     kv_chunk = min(hd, (64 if full and hd > 128 else 128) if policy == "mma16" else 32 if wide else 64)
     dq_chunk = min(hd, 128) if policy == "mma16" else kv_chunk
     fused = not deterministic
-    for block_r, block_c in tiles:
+    for block_r, block_c, mi in tiles:
         spec = BackwardSpec(dtype, policy, hd, dq_chunk, kv_chunk, block_r, block_c, fused and block_c % 16 == 0,
-                            2, full)
-        # A second stage of the streamed tiles only while two blocks still fit on an SM.
-        if 2 * spec.smem_bytes > smem_limit:
+                            2, full, mi)
+        # A second stage of the streamed tiles only while as many blocks fit on an SM as its
+        # registers allow (these kernels take up to 255 a thread: 256 threads fill the file).
+        if max(1, 256 // spec.threads) * spec.smem_bytes > smem_limit:
             spec = dataclasses.replace(spec, stages=1)
         if spec.smem_bytes <= smem_limit:
             return spec
@@ -285,7 +296,7 @@ def all_backward_specs(arch: int) -> list[BackwardSpec]:
                                                           portable, deterministic, full))
                             except NoKernelError:
                                 pass
-    return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r, s.block_c, s.fused_dq))
+    return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r, s.block_c, s.fused_dq, s.full, s.mi))
 
 
 def all_kernels(arch: int) -> list[tuple[str, str, int]]:
