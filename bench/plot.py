@@ -3,8 +3,11 @@
     python bench/plot.py bench/results/<gpu>-<yyyy-mm-dd>.json    # writes <gpu>-<yyyy-mm-dd>.png
 
 One panel per (dtype, D, causal, mode): TFLOP/s against L (log2 axis), one
-line per system, markers at the measured points, so a single L plots too.
-When the file has peak-memory entries, one more panel: MiB against L, log-log.
+line per system, markers at the measured points, so a single L plots too. The
+forward's panels come first, then, from a new row of the grid, the backward's
+in the same order. When the file has peak-memory entries, one more panel per
+memory mode, from a new row: MiB against L, log-log (fwd: one forward; bwd: one
+forward and its backward). Overhead entries are not plotted.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +25,21 @@ import matplotlib
 
 matplotlib.use("Agg")  # file output only; before pyplot is imported
 import matplotlib.pyplot as plt
-from bench_attention import DTYPES, MODES, SYSTEMS  # bench/, the script's directory, is on sys.path
+from bench_attention import DTYPES, MEMORY_SPANS, MODES, SYSTEMS  # bench/, the script's directory, is on sys.path
 
 #: One colour per system, the same in every panel; systems unknown here get later colours.
 COLORS = {system: f"C{i}" for i, system in enumerate(SYSTEMS)}
 PANEL_COLUMNS = 4
+
+
+@dataclass
+class Panel:
+    """One plot: its lines (system -> {L: value}), title and y axis."""
+
+    lines: dict[str, dict[int, float]]
+    title: str
+    ylabel: str
+    log_y: bool
 
 
 def system_order(systems: set[str]) -> list[str]:
@@ -33,11 +47,16 @@ def system_order(systems: set[str]) -> list[str]:
     return [s for s in SYSTEMS if s in systems] + sorted(systems - set(SYSTEMS))
 
 
+def mode_rank(mode: str) -> int:
+    """A mode's place in bench_attention's order; unknown modes last."""
+    return MODES.index(mode) if mode in MODES else len(MODES)
+
+
 def panel_key(panel: tuple) -> tuple:
-    """Sort key of a panel (dtype, D, causal, mode): dtypes and modes in their benchmark order."""
+    """Sort key of a panel (dtype, D, causal, mode): modes, then dtypes, in their benchmark order."""
     dtype, D, causal, mode = panel
     rank = {name: i for i, name in enumerate(DTYPES)}
-    return (rank.get(dtype, len(rank)), dtype, D, causal, MODES.index(mode) if mode in MODES else len(MODES))
+    return (mode_rank(mode), mode, rank.get(dtype, len(rank)), dtype, D, causal)
 
 
 def series(entries: Sequence[dict[str, Any]], value: str, group: Sequence[str]) -> dict[tuple, dict[str, dict[int, float]]]:
@@ -60,8 +79,9 @@ def length_label(L: int) -> str:
     return f"{L // 1024}k" if L % 1024 == 0 else str(L)
 
 
-def draw(ax: Any, lines: dict[str, dict[int, float]], log_y: bool) -> None:
+def draw(ax: Any, panel: Panel) -> None:
     """One line per system over L on a log2 axis, ticks at the measured lengths."""
+    lines = panel.lines
     lengths = sorted({L for points in lines.values() for L in points})
     for system in system_order(set(lines)):
         xs = sorted(lines[system])
@@ -72,43 +92,57 @@ def draw(ax: Any, lines: dict[str, dict[int, float]], log_y: bool) -> None:
     ax.set_xticks(lengths, [length_label(L) for L in lengths])
     ax.minorticks_off()
     ax.set_xlabel("L")
-    if log_y:
+    if panel.log_y:
         ax.set_yscale("log")
     else:
         ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
+    ax.set_title(panel.title)
+    ax.set_ylabel(panel.ylabel)
+
+
+def sections(document: dict[str, Any]) -> list[list[Panel]]:
+    """The panels, grouped so that each group starts a row of the grid: the speed panels of
+    each mode, then the peak-memory panels."""
+    speed = series(document.get("rows", []), "tflops", ("dtype", "D", "causal", "mode"))
+    by_mode: dict[str, list[Panel]] = {}
+    for dtype, D, causal, mode in sorted(speed, key=panel_key):
+        title = f"{dtype} D={D} {'causal' if causal else 'non-causal'} {mode}"
+        by_mode.setdefault(mode, []).append(Panel(speed[dtype, D, causal, mode], title, "TFLOP/s", False))
+    entries = [e for e in document.get("memory", []) if "peak_mib" in e]
+    memory = series(entries, "peak_mib", ("mode",))
+    memory_panels = []
+    for (mode,) in sorted(memory, key=lambda key: mode_rank(key[0])):
+        title = f"peak memory, {MEMORY_SPANS.get(mode, mode)}"
+        shapes = {(e["dtype"], e["B"], e["H"], e["D"]) for e in entries if e["mode"] == mode}
+        if len(shapes) == 1:
+            dtype, B, H, D = shapes.pop()
+            title += f"\n{dtype} B={B} H={H} D={D}"
+        memory_panels.append(Panel(memory[(mode,)], title, "MiB beyond the inputs", True))
+    return [panels for panels in (*by_mode.values(), memory_panels) if panels]
 
 
 def plot(document: dict[str, Any], path: Path) -> Path:
     """Draw ``document`` (a bench_attention.py result) and save it as ``path`` with a .png suffix."""
-    speed = series(document.get("rows", []), "tflops", ("dtype", "D", "causal", "mode"))
-    memory = series(document.get("memory", []), "peak_mib", ())
-    panels = sorted(speed, key=panel_key)
-    count = len(panels) + bool(memory)
-    if not count:
+    groups = sections(document)
+    if not groups:
         raise ValueError(f"{path}: no rows or peak-memory entries to plot")
-    cols = min(PANEL_COLUMNS, count)
-    rows = math.ceil(count / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
-    flat = list(axes.flat)
-    for ax, (dtype, D, causal, mode) in zip(flat, panels, strict=False):
-        draw(ax, speed[dtype, D, causal, mode], log_y=False)
-        ax.set_title(f"{dtype} D={D} {'causal' if causal else 'non-causal'} {mode}")
-        ax.set_ylabel("TFLOP/s")
-    if memory:
-        ax = flat[len(panels)]
-        draw(ax, memory[()], log_y=True)
-        shapes = {(e["dtype"], e["B"], e["H"], e["D"]) for e in document["memory"] if "peak_mib" in e}
-        title = "peak memory"
-        if len(shapes) == 1:
-            dtype, B, H, D = shapes.pop()
-            title += f", {dtype} B={B} H={H} D={D}"
-        ax.set_title(title + " fwd")
-        ax.set_ylabel("MiB beyond the inputs")
-    for ax in flat[count:]:
-        ax.set_visible(False)
+    cols = min(PANEL_COLUMNS, max(len(panels) for panels in groups))
+    grid_rows = sum(math.ceil(len(panels) / cols) for panels in groups)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.2 * cols, 3.4 * grid_rows), squeeze=False)
+    used = []
+    row = 0
+    for panels in groups:
+        for i, panel in enumerate(panels):
+            ax = axes[row + i // cols, i % cols]
+            draw(ax, panel)
+            used.append(ax)
+        row += math.ceil(len(panels) / cols)
+    for ax in axes.flat:
+        if ax not in used:
+            ax.set_visible(False)
     handles: dict[str, Any] = {}
-    for ax in flat[:count]:
+    for ax in used:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
     labels = system_order(set(handles))
