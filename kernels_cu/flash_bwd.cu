@@ -357,8 +357,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                 const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
                 const bool valid = i < i1 && j < j0 + keys_valid;
                 const Acc raw = s_t[mi][n][e];
-                // The log2-domain score minus lse2, one FMA on the fast path; -inf where masked
-                // (then P = exp2(-inf) = 0, lse2 being finite).
+                // The log2-domain score minus lse2, one FMA on the fast path; -inf where masked.
                 Acc x;
                 if constexpr (FULL) {
                     x = fast ? raw * score.scale_log2 - sLset[c]
@@ -367,7 +366,11 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                     const bool keep = fast || (valid && (!band || in_band(p, hv, i, j)));
                     x = keep ? raw * score.scale_log2 - sLset[c] : neg_inf<Acc>();
                 }
-                const Acc pe = softmax_exp2(x);  // P^T = exp(S^T - lse)
+                // Masked scores and padding give P = 0 and dS = 0 by selection, not through
+                // exp2(-inf) * (dP - D): found with scores of +-6e4 and one key (tests/test_fuzz.py),
+                // where dQ = dS K over the zero-filled keys of the tile came out NaN.
+                const bool live = fast || x != neg_inf<Acc>();
+                const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
                 Acc z = Acc(1);
                 if (FULL && p.dropout_threshold != 0)
                     z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold) ? dropout_scale
@@ -385,7 +388,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                     }
                 }
                 s_t[mi][n][e] = pe * z;  // P' = P z
-                dp_t[mi][n][e] = ds;
+                dp_t[mi][n][e] = live ? ds : Acc(0);
             }
         typename Policy::template PFrag<BLOCK_C> pf;
         Policy::template pack_p<BLOCK_C>(s_t, pf);

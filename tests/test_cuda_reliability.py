@@ -232,7 +232,8 @@ def _run(inputs, stream=None) -> list[np.ndarray]:
     bias = options.get("bias") is not None
     with stream if stream is not None else contextlib.nullcontext():
         out, lse = fc.flash_attention_forward(q, k, v, backend="cuda", **options)
-        grads = fc.flash_attention_backward(dout, q, k, v, out, lse, bias_grad=bias, deterministic=bias,
+        # deterministic: bitwise comparisons need the order-fixed dQ (the default adds it up with atomics)
+        grads = fc.flash_attention_backward(dout, q, k, v, out, lse, bias_grad=bias, deterministic=True,
                                             backend="cuda", **options)
     (stream or cupy.cuda.get_current_stream()).synchronize()
     return [x.get() for x in (out, lse, *grads)]
@@ -311,8 +312,8 @@ def test_four_streams_from_one_thread_without_synchronizing_between() -> None:
     results = []
     for (q, k, v, dout, options), (out, lse), stream in zip(inputs, forwards, streams):
         bias = options.get("bias") is not None
-        with stream:
-            grads = fc.flash_attention_backward(dout, q, k, v, out, lse, bias_grad=bias, deterministic=bias,
+        with stream:  # deterministic: the default backward adds dQ up with atomics, in no fixed order
+            grads = fc.flash_attention_backward(dout, q, k, v, out, lse, bias_grad=bias, deterministic=True,
                                                 backend="cuda", **options)
         results.append((out, lse, *grads))
     for stream in streams:

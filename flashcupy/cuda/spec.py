@@ -260,6 +260,8 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
         # per tile, or two key groups per warp (D <= 32), only where S and dP of that size
         # fit beside dK and dV without a spill (measured: bench/NOTES.md).
         tiles = ((128, 32, 2),) * (hd <= 32) + ((128, 64, 1),) * (hd <= 64 and not full) + ((128, 32, 1),) + tiles
+    if policy == "tf32":  # 32 streamed rows spill beside the TF32 fragments (ptxas, sm_80 and sm_90)
+        tiles = tuple(tile for tile in tiles if tile[1] != 32)
     if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
         tiles += ((16, 8, 1),)
     # dK and dV of a 128-wide chunk take 128 registers a thread; beside the full score
