@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import cpu, interop, rng
+from . import cpu, cuda, interop, rng
+from .cuda.spec import NoKernelError
 from .problem import (
     BACKENDS, OPTION_DEFAULTS, Problem, check_device_backward_arrays, check_dropout, check_host_backward_arrays,
     make_device_problem, make_host_problem,
@@ -50,8 +51,6 @@ def _compute(q: Any, k: Any, v: Any, options: dict[str, Any], run: Callable, pre
     """(pb, restore, backend, run(pb, backend)) on the backend _prepare picks (or on an
     already ``prepared`` (pb, restore, backend)); with backend='auto', on the CPU instead
     when no CUDA kernel fits this GPU (huge head dims in float64 on small-shared-memory GPUs)."""
-    from .cuda.spec import NoKernelError
-
     pb, restore, backend = prepared or _prepare(q, k, v, options)
     try:
         return pb, restore, backend, run(pb, backend)
@@ -70,8 +69,6 @@ def _squeeze(pb: Problem, x):
 def _run_forward(pb: Problem, backend: str):
     """(out, lse) in the problem's internal layout, from the backend that holds its arrays."""
     if backend == "cuda":
-        from . import cuda
-
         return cuda.forward(pb)
     return cpu.forward(pb)
 
@@ -88,8 +85,6 @@ def _run_backward(pb: Problem, backend: str, dout: Any, out: Any, lse: Any, bias
     dout, out, lse are validated here (as the caller's arrays, in the caller's layout).
     """
     if backend == "cuda":
-        from . import cuda
-
         dout, out, lse = check_device_backward_arrays(pb, dout, out, lse)
         return cuda.backward(pb, dout, out, lse, bias_grad, deterministic)
     dout, out, lse = check_host_backward_arrays(pb, dout, out, lse)
@@ -172,7 +167,8 @@ def flash_attention(
         ``return_lse``. A row whose scores are all masked gives out 0 and lse -inf,
         never NaN.
     """
-    options = {name: value for name, value in locals().items() if name not in ("q", "k", "v")}
+    options = dict(locals())
+    del options["q"], options["k"], options["v"]
     pb, out, lse = _forward(q, k, v, _with_seed(options))
     return (out, lse) if pb.return_lse else out
 

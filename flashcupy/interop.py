@@ -18,7 +18,13 @@ _DLPACK_CPU = 1  # DLDeviceType kDLCPU
 
 
 def _is_cupy(x: Any) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
+    return _is_cupy_type(type(x))
+
+
+@functools.cache
+def _is_cupy_type(kind: type) -> bool:
+    """True for classes of the cupy package (checked once per class)."""
+    return kind.__module__.split(".")[0] == "cupy"
 
 
 def _on_cpu_dlpack(x: Any) -> bool:
@@ -112,11 +118,20 @@ def restorer(x: Any) -> Callable[[Any], Any]:
     a GPU caller are copied to x's own device, not CuPy's current one."""
     if isinstance(x, np.ndarray) or not (_has(x, "__dlpack__") or _has(x, "__cuda_array_interface__")):
         return to_numpy
+    if _is_cupy(x):
+        return _to_cupy_on(x.device.id)
     if not is_gpu_array(x):
         ns = _namespace(x)
         return lambda a: ns.from_dlpack(to_numpy(a))
+    on_device = _to_cupy_on(_device_of(x))
+    ns = _namespace(x)
+    return lambda a: ns.from_dlpack(on_device(a))
+
+
+@functools.cache
+def _to_cupy_on(device: int) -> Callable[[Any], Any]:
+    """A function returning CuPy results as they are and copying host results to ``device``."""
     cupy = _cupy()
-    device = _device_of(x)
 
     def on_device(a):
         if isinstance(a, cupy.ndarray):
@@ -124,10 +139,7 @@ def restorer(x: Any) -> Callable[[Any], Any]:
         with cupy.cuda.Device(device):
             return cupy.asarray(a)
 
-    if _is_cupy(x):
-        return on_device
-    ns = _namespace(x)
-    return lambda a: ns.from_dlpack(on_device(a))
+    return on_device
 
 
 @functools.lru_cache(maxsize=1)

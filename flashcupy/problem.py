@@ -6,6 +6,12 @@ input becomes a :class:`TypeError` or :class:`ValueError` that names the
 argument, what was expected and what was received; the backends and the
 reference trust a :class:`Problem` without checking again.
 
+Per-call cost. A call on NumPy or CuPy arrays whose options are plain values
+(no array options) is validated once per signature: the arrays' shapes and
+dtypes and each option's name, type and value. Later calls with the same
+signature reuse the validated fields with their own arrays; anything else, and
+every invalid call, takes the full path.
+
 Frames. A problem is a set of *segments*, one per (batch..., query head). For a
 padded call q is ``(*batch, Hq, Lq, D)`` and every segment sees an ``(Lq, D)``
 frame of which the first ``q_len`` rows are valid. For a packed (varlen) call q
@@ -17,6 +23,8 @@ sequence, so a packed call equals the padded call with the same lengths.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -237,7 +245,7 @@ def _describe(x: Any) -> str:
 def _check_array(name: str, x: Any) -> None:
     if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
         raise TypeError(f"{name}: expected an array, received {_describe(x)}")
-    if np.dtype(x.dtype) == object:
+    if np.dtype(x.dtype).kind == "O":
         raise TypeError(f"{name}: expected an array of numbers, received {_describe(x)}")
 
 
@@ -343,7 +351,19 @@ def _check_causal(causal: Any) -> str | None:
 
 
 def check_dropout(dropout_p: Any, seed: Any, offset: Any) -> tuple[float, int | None, int]:
-    """Validated (dropout_p, seed, offset); the seed may still be None."""
+    """Validated (dropout_p, seed, offset); the seed may still be None.
+
+    Checked once per distinct arguments (of distinct types: 1 and True differ); unhashable
+    arguments are checked every time.
+    """
+    try:
+        return _checked_dropout(dropout_p, seed, offset)
+    except TypeError:  # unhashable, or a wrong type: the uncached check raises the caller's error
+        return _check_dropout(dropout_p, seed, offset)
+
+
+def _check_dropout(dropout_p: Any, seed: Any, offset: Any) -> tuple[float, int | None, int]:
+    """The checks of :func:`check_dropout`, uncached."""
     if not _is_real(dropout_p):
         raise TypeError(f"dropout_p: expected a float in [0, 1), received {dropout_p!r}")
     p = _as_float(dropout_p)
@@ -361,6 +381,9 @@ def check_dropout(dropout_p: Any, seed: Any, offset: Any) -> tuple[float, int | 
     if not 0 <= offset < 2**32:
         raise ValueError(f"dropout_offset: expected an int in [0, 2**32), received {offset}")
     return p, seed, int(offset)
+
+
+_checked_dropout = functools.lru_cache(maxsize=256, typed=True)(_check_dropout)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -557,8 +580,76 @@ def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) 
     )
 
 
+#: Problem fields that a signature determines: all but the arrays q, k, v.
+_SIGNED_FIELDS = tuple(f.name for f in dataclasses.fields(Problem) if f.name not in ("q", "k", "v"))
+#: Option value types whose equal values of one type always validate alike.
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str})
+_ARRAY_OPTION_NAMES = frozenset(ARRAY_OPTIONS)
+_NOT_AN_OPTION = object()
+
+
+def _signature(q: Any, k: Any, v: Any, options: dict[str, Any]) -> tuple | None:
+    """Everything :func:`make_problem` reads of NumPy or CuPy arrays ``q``, ``k``, ``v`` and
+    ``options``: the arrays' shapes and dtypes, each option's name, value and type (a float's
+    sign too, as -0.0 == 0.0; a tuple's element types), or its bare name when it is None
+    (nothing when it is the very object of its default). None when an option is not plain
+    data (an array option given, a list, a NumPy scalar): such calls are validated in full."""
+    key: list[Any] = [q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype]
+    for name, value in options.items():
+        if value is None:  # most options of most calls: the bare name
+            key.append(name)
+            continue
+        if value is OPTION_DEFAULTS.get(name, _NOT_AN_OPTION):  # validates as if left out
+            continue
+        kind = type(value)
+        if kind is float:
+            key.append((name, value, kind, math.copysign(1.0, value)))
+        elif kind in _PLAIN_TYPES and name not in _ARRAY_OPTION_NAMES:
+            key.append((name, value, kind))
+        elif kind is tuple and all(type(x) in _PLAIN_TYPES for x in value):
+            key.append((name, value, kind, tuple(type(x) for x in value)))
+        else:
+            return None
+    return tuple(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _validated(signature: tuple) -> dict[str, Any]:
+    """The fields (all but q, k, v) of :func:`make_problem`'s problem for a :func:`_signature`,
+    found once: by validating stand-in host arrays of its shapes and dtypes (zero-stride
+    views: make_problem reads nothing else of q, k, v) and its options."""
+    standins = [np.broadcast_to(np.zeros((), dtype), shape) for shape, dtype in zip(signature[0:6:2], signature[1:6:2])]
+    options = dict((item, None) if type(item) is str else item[:2] for item in signature[6:])
+    problem = make_problem(*standins, options)
+    return {name: getattr(problem, name) for name in _SIGNED_FIELDS}
+
+
+def _known_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem | None:
+    """The problem of NumPy or CuPy arrays ``q``, ``k``, ``v`` (on one device) and plain
+    ``options``, validated once per signature; None when the options are not plain data or
+    the call is invalid, for the full path to validate (and raise the caller's error)."""
+    signature = _signature(q, k, v, options)
+    if signature is None:
+        return None
+    try:
+        fields = _validated(signature)
+    except Exception:  # noqa: BLE001 - invalid: the full path raises the error naming the caller's arrays
+        return None
+    if fields["squeeze_head"]:
+        q, k, v = q[None], k[None], v[None]
+    # As Problem(q=q, k=k, v=v, **fields), which would set its 32 frozen fields one by one
+    # through object.__setattr__: several times the cost of the rest of a cached call.
+    problem = object.__new__(Problem)
+    problem.__dict__.update(q=q, k=k, v=v, **fields)
+    return problem
+
+
 def make_host_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem:
     """:func:`make_problem` on host NumPy copies (or views) of every array argument."""
+    if type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray:
+        known = _known_problem(q, k, v, options)
+        if known is not None:
+            return known
     host = {
         n: _host_array(n, options[n])
         for n in ARRAY_OPTIONS
@@ -576,14 +667,17 @@ def _device_array(name: str, x: Any, device: int):
     """``x`` as a CuPy array on ``device``: zero copy for GPU arrays, else a host-to-device copy."""
     import cupy
 
-    if interop.is_gpu_array(x):
+    if type(x) is cupy.ndarray:  # the common case, without interop's conversion checks
+        arr = x
+    elif interop.is_gpu_array(x):
         arr = interop.to_device(x)
-        if arr.device.id != device:
-            raise ValueError(f"{name}: expected an array on CUDA device {device} like q, received one on device {arr.device.id}")
-        return arr
-    host = _host_array(name, x)
-    with cupy.cuda.Device(device):
-        return cupy.asarray(host)
+    else:
+        host = _host_array(name, x)
+        with cupy.cuda.Device(device):
+            return cupy.asarray(host)
+    if arr.device.id != device:
+        raise ValueError(f"{name}: expected an array on CUDA device {device} like q, received one on device {arr.device.id}")
+    return arr
 
 
 def make_device_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem:
@@ -594,6 +688,11 @@ def make_device_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Prob
     """
     import cupy
 
+    if (type(q) is cupy.ndarray and type(k) is cupy.ndarray and type(v) is cupy.ndarray
+            and k.device.id == q.device.id == v.device.id):
+        known = _known_problem(q, k, v, options)
+        if known is not None:
+            return known
     device = interop.to_device(q).device.id if interop.is_gpu_array(q) else cupy.cuda.Device().id
     arrays = {name: _device_array(name, x, device) for name, x in (("q", q), ("k", k), ("v", v))}
     device_options = {n: _device_array(n, options[n], device) for n in DEVICE_ARRAY_OPTIONS if options.get(n) is not None}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,12 @@ def device_limits(device_id: int) -> tuple[int, int]:
 
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
     return 10 * props["major"] + props["minor"], int(props["sharedMemPerBlockOptin"])
+
+
+@functools.cache
+def _dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, which NumPy works out in Python at every access."""
+    return dtype.name
 
 
 def _elem_strides(x) -> tuple[int, ...]:
@@ -155,19 +162,81 @@ def _needs_full(pb: Problem) -> bool:
                       pb.alibi_slopes is not None, pb.softcap is not None, pb.dropout_p > 0)
 
 
+#: The pointer fields a forward template fills, in the order :meth:`~params.Template.fill` takes them.
+_FORWARD_POINTERS = ("q", "k", "v", "o", "lse")
+#: The same for the backward block: the forward's, then those of the gradients and buffers.
+_BACKWARD_POINTERS = ("f.q", "f.k", "f.v", "f.o", "f.lse", "dout", "out", "delta", "lse2", "dq", "dk", "dv",
+                      "dq_accum")
+
+
+class _Templates:
+    """Parameter blocks of earlier launches by :func:`_layout_key`, as templates whose
+    pointers each launch fills in; beyond ``size`` entries the oldest goes."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._size = size
+        self._entries: dict[tuple, P.Template] = {}
+        self._lock = threading.Lock()  # writers only: a lookup is one atomic dict.get
+
+    def get(self, key: tuple | None) -> P.Template | None:
+        return None if key is None else self._entries.get(key)
+
+    def put(self, key: tuple, template: P.Template) -> None:
+        with self._lock:
+            if len(self._entries) >= self._size:
+                del self._entries[next(iter(self._entries))]
+            self._entries[key] = template
+
+
+_FORWARD_TEMPLATES = _Templates()
+_BACKWARD_TEMPLATES = _Templates()
+
+
+def _layout_key(pb: Problem, device_id: int, operands: tuple, *extra: Any) -> tuple | None:
+    """Everything a parameter block holds but its pointers: the device, the shapes and strides
+    of the row ``operands`` (the outputs are allocated contiguous from the problem's shapes),
+    the dtype and the options (the scale with its sign: -0.0 == 0.0), and ``extra``. None for
+    problems whose blocks point to more arrays (masks, bias, ALiBi slopes, lengths, packed
+    sequences): those are packed for every launch."""
+    if (pb.varlen or pb.mask is not None or pb.bias is not None or pb.block_mask is not None
+            or pb.alibi_slopes is not None or pb.q_lengths is not None or pb.kv_lengths is not None):
+        return None
+    return (device_id, pb.dtype, pb.causal, pb.window, pb.scale, math.copysign(1.0, pb.scale), pb.softcap,
+            pb.dropout_p, pb.seed, pb.dropout_offset, *[(x.shape, x.strides) for x in operands], *extra)
+
+
+def _same_memory(rows: tuple, operands: tuple) -> bool:
+    """True when :func:`_rows` made no copy of any operand (each row view starts where it does)."""
+    return all(r.data.ptr == x.data.ptr for r, x in zip(rows, operands))
+
+
 def forward(pb: Problem) -> tuple[Any, Any]:
-    """(out, lse) of a problem on CuPy arrays, in the problem's internal layout."""
+    """(out, lse) of a problem on CuPy arrays, in the problem's internal layout.
+
+    A problem laid out like an earlier one (:func:`_layout_key`) whose operands needed no
+    copy then, and whose pointers are 16-byte aligned now (so need none either), reuses that
+    launch's parameter block with its own pointers filled in.
+    """
     import cupy as xp
 
     device_id = pb.q.device.id
     with xp.cuda.Device(device_id):
         arch, smem_limit = device_limits(device_id)
-        spec = select_forward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
+        spec = select_forward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
                               full=_needs_full(pb))
-        q, k, v = _operands(pb, xp)
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
-        params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp)
+        operands = (pb.q, pb.k, pb.v)
+        key = _layout_key(pb, device_id, operands)
+        template = _FORWARD_TEMPLATES.get(key)
+        q_ptr, k_ptr, v_ptr = (x.data.ptr for x in operands)
+        if template is not None and not (q_ptr | k_ptr | v_ptr) % 16:
+            params, keep_alive = template.fill(q_ptr, k_ptr, v_ptr, out.data.ptr, lse.data.ptr), []
+        else:
+            q, k, v = _operands(pb, xp)
+            params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp)
+            if key is not None and _same_memory((q, k, v), operands):
+                _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS))
         heads = math.prod(pb.batch) * pb.num_heads_q
         m_blocks = -(-pb.seqlen_q // spec.block_m)
         chunks = -(-pb.head_dim_v // spec.dv_tile)
@@ -202,38 +271,51 @@ def _dbias_buffer(pb: Problem, deterministic: bool, xp):
 
 def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
     """(dq, dk, dv, dbias) of a problem on CuPy arrays, in its internal layout; dbias None
-    unless ``bias_grad``. dout, out, lse: device arrays in the internal layout."""
+    unless ``bias_grad``. dout, out, lse: device arrays in the internal layout. The parameter
+    block is reused as in :func:`forward` (dout and out count as operands)."""
     import cupy as xp
 
     device_id = pb.q.device.id
     with xp.cuda.Device(device_id):
         arch, smem_limit = device_limits(device_id)
-        spec = select_backward(pb.dtype.name, pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
+        spec = select_backward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
                                deterministic=deterministic, full=_needs_full(pb))
         acc = accumulator_dtype(pb.dtype)
-        q, k, v = _operands(pb, xp)
-        dout, out = _rows(pb, dout, xp), _rows(pb, out, xp)
         lse = xp.ascontiguousarray(lse, dtype=acc)
         delta, lse2 = xp.empty(pb.lse_shape, dtype=acc), xp.empty(pb.lse_shape, dtype=acc)
         dq = _empty(pb.q.shape, pb.dtype, xp)
         dk = _empty(pb.k.shape, pb.dtype, xp)
         dv = _empty(pb.v.shape, pb.dtype, xp)
-        params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp)
         grads = {"dq": dq, "dk": dk, "dv": dv}
         if spec.fused_dq:  # dS K / scale, added up by atomics in column pairs: (..., rows, D rounded up to even)
-            grads["dqa"] = dq_accum = xp.zeros(pb.q.shape[:-1] + (-(-pb.head_dim // 2) * 2,), dtype=acc)
-        fields = _rows_fields(pb, {"do": dout, "out": out, **{n: _merged(pb, g, xp) for n, g in grads.items()}})
+            grads["dqa"] = xp.zeros(pb.q.shape[:-1] + (-(-pb.head_dim // 2) * 2,), dtype=acc)
+        dq_accum = grads["dqa"].data.ptr if spec.fused_dq else 0
+        operands = (pb.q, pb.k, pb.v, dout, out)
+        key = _layout_key(pb, device_id, operands, spec)
+        template = _BACKWARD_TEMPLATES.get(key)
+        q_ptr, k_ptr, v_ptr, dout_ptr, out_ptr = (x.data.ptr for x in operands)
         finish_dbias = None
-        if bias_grad:
-            dbias_view, finish_dbias = _dbias_buffer(pb, deterministic, xp)
-            fields["dbias"] = dbias_view.data.ptr
-            for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(dbias_view)):
-                fields[f"db_{suffix}"] = s
-        bparams = P.pack(
-            P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr, lse2=lse2.data.ptr,
-            dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim,
-            dq_accum=dq_accum.data.ptr if spec.fused_dq else 0, **fields,
-        )
+        if template is not None and not (q_ptr | k_ptr | v_ptr | dout_ptr | out_ptr) % 16:
+            bparams = template.fill(q_ptr, k_ptr, v_ptr, out_ptr, lse.data.ptr, dout_ptr, out_ptr, delta.data.ptr,
+                                    lse2.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum)
+            keep_alive = []
+        else:
+            q, k, v = _operands(pb, xp)
+            dout, out = _rows(pb, dout, xp), _rows(pb, out, xp)
+            params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp)
+            fields = _rows_fields(pb, {"do": dout, "out": out, **{n: _merged(pb, g, xp) for n, g in grads.items()}})
+            if bias_grad:
+                dbias_view, finish_dbias = _dbias_buffer(pb, deterministic, xp)
+                fields["dbias"] = dbias_view.data.ptr
+                for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(dbias_view)):
+                    fields[f"db_{suffix}"] = s
+            bparams = P.pack(
+                P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr,
+                lse2=lse2.data.ptr, dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim,
+                dq_accum=dq_accum, **fields,
+            )
+            if key is not None and _same_memory((q, k, v, dout, out), operands):
+                _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS))
         batch = math.prod(pb.batch)
         heads, kv_heads = batch * pb.num_heads_q, batch * pb.num_heads_k
         row_grid = _grid(-(-pb.seqlen_q // 4), heads)  # delta and the dQ converter: 4 rows per block

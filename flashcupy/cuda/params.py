@@ -1,13 +1,18 @@
 """The host image of ``flash::Params`` (kernels_cu/flash_params.cuh).
 
-The struct is passed to the kernel by value as a NumPy structured scalar. Fields
-are listed here in the struct's order; 8-byte fields come first, so neither side
-inserts padding, and the kernels check ``sizeof(Params)`` against
-:data:`PARAMS_DTYPE`'s size at compile time (FLASH_PARAMS_SIZE).
+The struct is passed to the kernel by value as a NumPy scalar: structured from
+:func:`pack`, raw bytes from a :class:`Template` (one per layout, reused by every
+call of that layout with its own pointers). Fields are listed here in the struct's
+order; 8-byte fields come first, so neither side inserts padding, and the kernels
+check ``sizeof(Params)`` against :data:`PARAMS_DTYPE`'s size at compile time
+(FLASH_PARAMS_SIZE).
 """
 
 from __future__ import annotations
 
+import functools
+import struct
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -49,12 +54,86 @@ DTYPE_CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 CAUSAL_CODE = {None: 0, "bottom_right": 1, "top_left": 2}
 
 
+#: struct format codes (native byte order, as the dtypes) of the scalar field types the blocks use.
+_STRUCT_CODES = {"u8": "Q", "i8": "q", "f8": "d", "u4": "I", "i4": "i"}
+
+
+@functools.cache
+def _layout(dtype: np.dtype) -> tuple[struct.Struct, dict[str, int], tuple[Any, ...], tuple[str, ...]]:
+    """(struct packing every field of ``dtype`` in its offset order, the position of each
+    field's value in that struct's arguments, every field's zero, the nested blocks' names).
+    A nested block (BwdParams' ``f``) is one bytes value; gaps and the tail are zero padding."""
+    fmt, index, zeros, nested, end = ["="], {}, [], [], 0
+    for name in sorted(dtype.names, key=lambda n: dtype.fields[n][1]):
+        field, offset = dtype.fields[name][:2]
+        fmt.append("x" * (offset - end))
+        if field.names is None:
+            fmt.append(_STRUCT_CODES[field.str[1:]])
+            zeros.append(0.0 if field.kind == "f" else 0)
+        else:
+            fmt.append(f"{field.itemsize}s")
+            zeros.append(b"")
+            nested.append(name)
+        index[name] = len(zeros) - 1
+        end = offset + field.itemsize
+    fmt.append("x" * (dtype.itemsize - end))
+    return struct.Struct("".join(fmt)), index, tuple(zeros), tuple(nested)
+
+
 def pack(dtype: np.dtype = PARAMS_DTYPE, **fields: Any) -> np.void:
-    """A Params (or BwdParams) scalar; fields not given are 0 (null pointers, zero strides)."""
-    unknown = set(fields) - set(dtype.names)
-    if unknown:
-        raise KeyError(f"not fields of the parameter block: {sorted(unknown)}")
-    record = np.zeros((), dtype=dtype)
-    for name, value in fields.items():
-        record[name] = value
-    return record[()]
+    """A Params (or BwdParams) scalar; fields not given are 0 (null pointers, zero strides).
+
+    A nested block (BwdParams' ``f``) is given as the scalar :func:`pack` returned for it.
+    """
+    packer, index, zeros, nested = _layout(dtype)
+    values = list(zeros)
+    try:
+        for name, value in fields.items():
+            values[index[name]] = value
+    except KeyError:
+        raise KeyError(f"not fields of the parameter block: {sorted(fields.keys() - index.keys())}") from None
+    for name in nested:
+        if name in fields:
+            values[index[name]] = fields[name].tobytes()
+    return np.frombuffer(bytearray(packer.pack(*values)), dtype=dtype)[0]
+
+
+def _field_offset(dtype: np.dtype, name: str) -> int:
+    """Byte offset of a field in a block; ``"f.q"`` names field ``q`` of the nested block ``f``."""
+    offset = 0
+    for part in name.split("."):
+        dtype, inner = dtype.fields[part][:2]
+        offset += inner
+    return offset
+
+
+class Template:
+    """A packed block whose pointer fields are rewritten for each launch, the rest kept.
+
+    For calls whose every other field is the same (same shapes, strides and options),
+    ``fill`` costs a copy of the bytes and one ``struct.pack_into`` per run of adjacent
+    fields instead of packing every field again.
+    """
+
+    def __init__(self, record: np.void, names: Sequence[str]) -> None:
+        """``record``: a block from :func:`pack`; ``names``: the uint64 (pointer) fields that
+        ``fill`` takes, in its argument order (``"f.q"`` for a field of the nested block)."""
+        self._bytes = record.tobytes()
+        #: (byte offset, struct, argument positions) of each run of adjacent fields.
+        self._runs: list[tuple[int, struct.Struct, list[int]]] = []
+        fields = sorted((_field_offset(record.dtype, name), i) for i, name in enumerate(names))
+        start = 0
+        for n, (offset, _) in enumerate(fields):
+            if n + 1 == len(fields) or fields[n + 1][0] != offset + 8:
+                run = fields[start:n + 1]
+                self._runs.append((run[0][0], struct.Struct(f"={len(run)}Q"), [i for _, i in run]))
+                start = n + 1
+
+    def fill(self, *pointers: int) -> np.void:
+        """The block's bytes with the named fields set to ``pointers`` (in the constructor's
+        order), as an unstructured ``np.void``: a kernel argument that CuPy copies whole,
+        where it copies a structured scalar field by field (about 1 us a launch)."""
+        buf = bytearray(self._bytes)
+        for offset, packer, order in self._runs:
+            packer.pack_into(buf, offset, *[pointers[i] for i in order])
+        return np.void(bytes(buf))

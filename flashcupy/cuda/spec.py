@@ -10,6 +10,7 @@ which CI compiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -82,7 +83,7 @@ class KernelSpec:
     def itemsize(self) -> int:
         return np.dtype(self.dtype if self.dtype != "bfloat16" else "float16").itemsize
 
-    @property
+    @functools.cached_property
     def name_expression(self) -> str:
         t = CXX_TYPE[self.dtype]
         policy = POLICIES[self.policy][0](t).replace(", 2>", f", {self.rows_per_warp // 16}>")
@@ -90,7 +91,7 @@ class KernelSpec:
         return (f"flash::flash_fwd<{t}, {policy}, {self.head_dim}, {self.dv_tile}, {self.block_n}, "
                 f"{self.num_warps}, {full}, {self.stages}>")
 
-    @property
+    @functools.cached_property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: Q (BLOCK_M, HD) and ``stages`` of K (BLOCK_N, HD) and V
         (BLOCK_N, DV), rows padded by 16 bytes."""
@@ -130,7 +131,14 @@ def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allo
     some option beyond causal, window and lengths is in use (see :func:`needs_full`). Raises
     RuntimeError when no tile shape fits (float64 with D > 256 on 99 KB GPUs).
     """
-    portable = force_portable() if portable is None else portable
+    return _select_forward(dtype, d, dv, arch, smem_limit, allow_tf32,
+                           force_portable() if portable is None else portable, full)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool,
+                    full: bool) -> KernelSpec:
+    """:func:`select_forward` with ``portable`` decided, computed once per distinct arguments."""
     policy = policy_for(dtype, arch, allow_tf32, portable)
     _, _, dv_cap, candidates = POLICIES[policy]
     hd = head_dim_bucket(max(d, dv))
@@ -233,10 +241,10 @@ class BackwardSpec:
     def smem_bytes(self) -> int:
         return max(self.dq_smem_bytes, self.dkdv_smem_bytes)
 
-    @property
-    def kernels(self) -> list[tuple[str, int]]:
+    @functools.cached_property
+    def kernels(self) -> tuple[tuple[str, int], ...]:
         """(name expression, dynamic shared memory) of the three launches, in launch order."""
-        return [(self.delta_name, 0), (self.dkdv_name, self.dkdv_smem_bytes), (self.dq_name, self.dq_smem_bytes)]
+        return ((self.delta_name, 0), (self.dkdv_name, self.dkdv_smem_bytes), (self.dq_name, self.dq_smem_bytes))
 
 
 def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
@@ -248,7 +256,14 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     the head dim. ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
     :func:`select_forward`. Raises NoKernelError when no tile fits.
     """
-    portable = force_portable() if portable is None else portable
+    return _select_backward(dtype, d, dv, arch, smem_limit, allow_tf32,
+                            force_portable() if portable is None else portable, deterministic, full)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool,
+                     deterministic: bool, full: bool) -> BackwardSpec:
+    """:func:`select_backward` with ``portable`` decided, computed once per distinct arguments."""
     policy = policy_for(dtype, arch, allow_tf32, portable)
     hd = head_dim_bucket(max(d, dv))
     wide = dtype == "float64"

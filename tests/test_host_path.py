@@ -1,0 +1,301 @@
+"""The per-call caches of the host path give exactly what the uncached path computes, and key on
+everything that matters: a changed option (value or type), dtype, shape, stride, pointer
+alignment or device never reuses a stale entry.
+
+CPU: parameter-block packing and templates against NumPy field assignment, the problem cache
+against full validation, the dropout-check and kernel-selection caches, the CUDA backend's
+layout key. GPU (``pytest -m gpu``): calls that reuse a parameter block give bitwise the results
+of calls with every cache emptied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flashcupy import cuda
+from flashcupy import problem as problems
+from flashcupy.cuda import params as P
+from flashcupy.cuda import spec as S
+from flashcupy.problem import check_dropout, make_host_problem, make_problem
+
+F16, F32 = np.dtype(np.float16), np.dtype(np.float32)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _arrays(q_shape=(2, 4, 5, 8), k_shape=(2, 2, 7, 8), dv=6, dtype=F32, seed=0):
+    rs = np.random.default_rng(seed)
+    v_shape = k_shape[:-1] + (dv,)
+    return tuple(rs.standard_normal(s).astype(dtype) for s in (q_shape, k_shape, v_shape))
+
+
+# --------------------------------------------------------------------------- parameter blocks
+
+
+def _numpy_pack(dtype: np.dtype, **fields) -> np.void:
+    """The reference packing: a zeroed record, each field assigned through NumPy."""
+    record = np.zeros((), dtype)
+    for name, value in fields.items():
+        record[name] = value
+    return record[()]
+
+
+def _random_fields(dtype: np.dtype, rs: np.random.Generator) -> dict:
+    """A random subset of the scalar fields of ``dtype``, each with a random value of its range."""
+    fields = {}
+    for name in dtype.names:
+        field = dtype.fields[name][0]
+        if field.names is not None or rs.random() < 0.3:
+            continue
+        if field.kind == "f":
+            fields[name] = float(rs.standard_normal() * 10.0 ** rs.integers(-30, 30))
+        else:
+            info = np.iinfo(field)
+            fields[name] = int(rs.integers(info.min, info.max, endpoint=True, dtype=field))
+    return fields
+
+
+def test_pack_matches_numpy_field_assignment() -> None:
+    rs = np.random.default_rng(0)
+    for _ in range(50):
+        fields = _random_fields(P.PARAMS_DTYPE, rs)
+        ours, want = P.pack(**fields), _numpy_pack(P.PARAMS_DTYPE, **fields)
+        assert ours.dtype == want.dtype and ours.tobytes() == want.tobytes()
+        bwd = _random_fields(P.BWD_PARAMS_DTYPE, rs)
+        assert (P.pack(P.BWD_PARAMS_DTYPE, f=ours, **bwd).tobytes()
+                == _numpy_pack(P.BWD_PARAMS_DTYPE, f=want, **bwd).tobytes())
+    with pytest.raises(KeyError, match=r"not fields of the parameter block: \['nope', 'q_sx'\]"):
+        P.pack(q=1, nope=2, q_sx=3)
+
+
+def test_template_fill_equals_packing_those_pointers() -> None:
+    rs = np.random.default_rng(1)
+
+    def pointers(names):
+        return {n: int(rs.integers(0, 2**64 - 1, endpoint=True, dtype=np.uint64)) for n in names}
+
+    fields = _random_fields(P.PARAMS_DTYPE, rs)
+    template = P.Template(P.pack(**fields), cuda._FORWARD_POINTERS)
+    for _ in range(3):  # each fill starts from the template, not from the previous fill
+        new = pointers(cuda._FORWARD_POINTERS)
+        assert template.fill(*new.values()).tobytes() == P.pack(**{**fields, **new}).tobytes()
+
+    bwd = _random_fields(P.BWD_PARAMS_DTYPE, rs)
+    template = P.Template(P.pack(P.BWD_PARAMS_DTYPE, f=P.pack(**fields), **bwd), cuda._BACKWARD_POINTERS)
+    new = pointers(cuda._BACKWARD_POINTERS)
+    inner = {name[2:]: value for name, value in new.items() if name.startswith("f.")}
+    outer = {name: value for name, value in new.items() if not name.startswith("f.")}
+    want = P.pack(P.BWD_PARAMS_DTYPE, f=P.pack(**{**fields, **inner}), **{**bwd, **outer})
+    assert template.fill(*new.values()).tobytes() == want.tobytes()
+
+
+# --------------------------------------------------------------------------- the problem cache
+
+OPTION_CASES = [
+    {},
+    {"causal": True},
+    {"causal": "top_left", "window": (3, None)},
+    {"window": (None, 2), "scale": -0.0},
+    {"scale": 0.25, "softcap": 5.0, "return_lse": True, "allow_tf32": True},
+    {"dropout_p": 0.2, "seed": 7, "dropout_offset": 3},
+]
+
+
+def _fields(pb) -> dict:
+    return {f.name: getattr(pb, f.name) for f in dataclasses.fields(pb) if f.name not in ("q", "k", "v")}
+
+
+@pytest.mark.parametrize("shapes", [((2, 4, 5, 8), (2, 2, 7, 8)), ((5, 8), (7, 8))], ids=["4d", "2d"])
+@pytest.mark.parametrize("options", OPTION_CASES)
+def test_cached_problem_equals_full_validation(shapes, options) -> None:
+    options = {"backend": "cpu", **options}
+    problems._validated.cache_clear()
+    make_host_problem(*_arrays(*shapes), options)  # fills the cache
+    q, k, v = _arrays(*shapes, seed=1)
+    cached, full = make_host_problem(q, k, v, options), make_problem(q, k, v, options)
+    assert problems._validated.cache_info().hits >= 1
+    assert _fields(cached) == _fields(full)
+    assert math.copysign(1.0, cached.scale) == math.copysign(1.0, full.scale)
+    for ours, want, given in zip((cached.q, cached.k, cached.v), (full.q, full.k, full.v), (q, k, v)):
+        assert ours.shape == want.shape and np.shares_memory(ours, given) and np.array_equal(ours, want)
+
+
+def test_problem_cache_keys_on_option_types_values_shapes_and_dtypes() -> None:
+    q, k, v = _arrays()
+    cpu = {"backend": "cpu"}
+    accepted_then_rejected = [
+        ({"causal": True}, {"causal": 1}, ValueError, "causal: expected"),
+        ({"window": (1, None)}, {"window": (True, None)}, TypeError, "window: expected left"),
+        ({"window": (1, None)}, {"window": (1.0, None)}, TypeError, "window: expected left"),
+        ({"scale": 2}, {"scale": True}, TypeError, "scale: expected"),
+        ({"dropout_offset": 1}, {"dropout_offset": True}, TypeError, "dropout_offset: expected"),
+        ({"seed": 3}, {"seed": 3.0}, TypeError, "seed: expected"),
+        ({"return_lse": True}, {"return_lse": 1}, TypeError, "return_lse: expected a bool"),
+        ({"softcap": 2.0}, {"softcap": -2.0}, ValueError, "softcap: expected a positive"),
+        ({}, {"causal_": True}, TypeError, "unexpected keyword argument"),
+    ]
+    for good, bad, error, match in accepted_then_rejected:
+        make_host_problem(q, k, v, {**cpu, **good})
+        with pytest.raises(error, match=match):
+            make_host_problem(q, k, v, {**cpu, **bad})
+    assert math.copysign(1.0, make_host_problem(q, k, v, {**cpu, "scale": 0.0}).scale) == 1.0
+    assert math.copysign(1.0, make_host_problem(q, k, v, {**cpu, "scale": -0.0}).scale) == -1.0
+    assert make_host_problem(*_arrays(dtype=F16), cpu).dtype == F16
+    assert make_host_problem(*_arrays(dtype=BF16), cpu).dtype == BF16
+    assert make_host_problem(*_arrays(q_shape=(2, 4, 9, 8)), cpu).seqlen_q == 9
+    with pytest.raises(TypeError, match="q, k, v: expected one dtype"):
+        make_host_problem(q, k.astype(F16), v, cpu)
+    with pytest.raises(ValueError, match="k: expected a number of heads"):
+        make_host_problem(q, *_arrays(k_shape=(2, 3, 7, 8))[1:], cpu)
+
+
+def test_calls_with_array_or_numpy_scalar_options_are_validated_in_full() -> None:
+    q, k, v = _arrays()
+    assert problems._signature(q, k, v, {"scale": np.float64(0.5)}) is None
+    assert problems._signature(q, k, v, {"mask": np.ones((5, 7), bool)}) is None
+    assert problems._signature(q, k, v, {"q_lengths": 3}) is None
+    assert problems._signature(q, k, v, {"window": [1, 2]}) is None
+    pb = make_host_problem(q, k, v, {"backend": "cpu", "q_lengths": np.array([5, 2])})
+    assert pb.q_lengths.tolist() == [5, 2]
+
+
+def test_dropout_check_cache_keys_on_types() -> None:
+    assert check_dropout(0.0, None, 1) == (0.0, None, 1)
+    with pytest.raises(TypeError, match="dropout_offset: expected an int"):
+        check_dropout(0.0, None, True)
+    assert check_dropout(0.5, 3, 0) == (0.5, 3, 0)
+    with pytest.raises(TypeError, match="seed: expected an int"):
+        check_dropout(0.5, 3.0, 0)
+    with pytest.raises(TypeError, match="dropout_p: expected a float"):
+        check_dropout([0.5], None, 0)  # unhashable: checked uncached
+    with pytest.raises(ValueError, match="dropout_p: expected a float in"):
+        check_dropout(1.0, None, 0)
+
+
+# --------------------------------------------------------------------------- kernel selection
+
+
+def test_kernel_selection_cache_matches_uncached_and_follows_the_portable_switch(monkeypatch) -> None:
+    monkeypatch.delenv(S.FORCE_PORTABLE_ENV, raising=False)
+    for arch, smem in S.ARCH_SMEM.items():
+        for dtype in S.CXX_TYPE:
+            for d in (1, 64, 111, 256, 512):
+                for tf32, portable, full, deterministic in ((False, False, False, False), (True, True, True, True)):
+                    for cached, uncached, extra in (
+                        (S.select_forward, S._select_forward.__wrapped__, (full,)),
+                        (S.select_backward, S._select_backward.__wrapped__, (deterministic, full)),
+                    ):
+                        try:
+                            want = uncached(dtype, d, d, arch, smem, tf32, portable, *extra)
+                        except S.NoKernelError as exc:
+                            with pytest.raises(S.NoKernelError, match=re.escape(str(exc))):
+                                cached(dtype, d, d, arch, smem, tf32, portable, *extra)
+                        else:
+                            assert cached(dtype, d, d, arch, smem, tf32, portable, *extra) == want
+    assert S.select_forward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "mma16"
+    assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "mma16"
+    monkeypatch.setenv(S.FORCE_PORTABLE_ENV, "1")
+    assert S.select_forward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "simt"
+    assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "simt"
+
+
+# --------------------------------------------------------------------------- the CUDA layout key
+
+
+def test_layout_key_covers_device_strides_dtype_and_options() -> None:
+    q, k, v = _arrays()
+    cpu = {"backend": "cpu"}
+
+    def key(q, k, v, device=0, **options):
+        pb = make_host_problem(q, k, v, {**cpu, **options})
+        return cuda._layout_key(pb, device, (pb.q, pb.k, pb.v))
+
+    blhd = [np.ascontiguousarray(x.swapaxes(-2, -3)).swapaxes(-2, -3) for x in (q, k, v)]
+    keys = [
+        key(q, k, v), key(q, k, v, device=1), key(*blhd), key(*(x.astype(F16) for x in (q, k, v))),
+        key(q, k, v, causal=True), key(q, k, v, causal="top_left"), key(q, k, v, window=(2, 3)),
+        key(q, k, v, scale=0.0), key(q, k, v, scale=-0.0), key(q, k, v, softcap=3.0),
+        key(q, k, v, dropout_p=0.1, seed=1), key(q, k, v, dropout_p=0.1, seed=2),
+        key(q, k, v, dropout_p=0.1, seed=1, dropout_offset=4), key(*_arrays(q_shape=(2, 4, 9, 8))),
+    ]
+    assert None not in keys and len(set(keys)) == len(keys)
+    assert key(q, k, v) == key(*_arrays(seed=5))  # other data, same layout
+    for options in ({"mask": np.ones((5, 7), bool)}, {"bias": np.zeros((5, 7), F32)}, {"alibi_slopes": [1.0] * 4},
+                    {"q_lengths": [5, 2]}, {"block_mask": np.ones((1, 1), bool), "block_size": 8}):
+        assert key(q, k, v, **options) is None, options
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _offset(cupy, x, elements: int):
+    """A copy of ``x`` with x's shape and contiguous strides, ``elements`` past a fresh allocation."""
+    y = cupy.empty(x.size + elements, x.dtype)[elements:].reshape(x.shape)
+    y[...] = x
+    return y
+
+
+@pytest.mark.gpu
+def test_reused_parameter_blocks_give_the_results_of_fresh_ones(monkeypatch) -> None:
+    cupy = pytest.importorskip("cupy")
+    import flashcupy as fc
+
+    monkeypatch.setattr(cuda, "poison_outputs", True)
+    real_pack, packs = P.pack, []
+
+    def counting_pack(*args, **kwargs):
+        packs.append(args)
+        return real_pack(*args, **kwargs)
+
+    monkeypatch.setattr(P, "pack", counting_pack)
+
+    def run(q, k, v, dout, **options):
+        out, lse = fc.flash_attention_forward(q, k, v, backend="cuda", **options)
+        grads = fc.flash_attention_backward(dout, q, k, v, out, lse, backend="cuda", deterministic=True, **options)
+        return [x.get() for x in (out, lse, *grads)]
+
+    def fresh(*arrays, **options):
+        monkeypatch.setattr(cuda, "_FORWARD_TEMPLATES", cuda._Templates())
+        monkeypatch.setattr(cuda, "_BACKWARD_TEMPLATES", cuda._Templates())
+        problems._validated.cache_clear()
+        return run(*arrays, **options)
+
+    def device(shape, dtype=F16, seed=0):
+        rs = np.random.default_rng(seed)
+        return [cupy.asarray(rs.standard_normal(shape).astype(dtype)) for _ in range(4)]
+
+    shape = (2, 3, 130, 64)
+    base = device(shape)
+    fresh(*base)
+    packs.clear()
+    run(*base)
+    assert not packs, "a repeated call packed its parameter blocks again"
+
+    other = device(shape, seed=1)
+    variants = {
+        "other data, same layout": (other, {}),
+        "16-byte misaligned pointers": ([_offset(cupy, x, 4) for x in other], {}),
+        "(B, L, H, D) strides": ([cupy.ascontiguousarray(x.swapaxes(1, 2)).swapaxes(1, 2) for x in other], {}),
+        "bfloat16": (device(shape, BF16, seed=2), {}),
+        "one head, 2-D": ([x[0, 0] for x in other], {}),
+        "causal": (other, {"causal": True}),
+        "window": (other, {"window": (5, 0)}),
+        "negative zero scale": (other, {"scale": -0.0}),
+        "softcap": (other, {"softcap": 3.0}),
+        "dropout": (other, {"dropout_p": 0.25, "seed": 11}),
+        "dropout, another seed": (other, {"dropout_p": 0.25, "seed": 12}),
+    }
+    for what, (arrays, options) in variants.items():
+        run(*base)  # the caches hold the base layout and options
+        cached = run(*arrays, **options)
+        again = run(*arrays, **options)
+        want = fresh(*arrays, **options)
+        for n, (a, b, c) in enumerate(zip(cached, again, want)):
+            for got in (a, b):
+                assert got.shape == c.shape and got.dtype == c.dtype, (what, n)
+                assert np.array_equal(got.view(np.uint8), c.view(np.uint8)), f"{what}: result {n} differs bitwise"
