@@ -54,18 +54,35 @@ __host__ __device__ constexpr int dq_slices(int most, int width, int align) {
     return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
 }
 
+// One query row per warp, 4 per block (flash_bwd_delta, flash_bwd_dq_convert): its head
+// view, position i inside the sequence and stored row (packed: offset by q_start).
+struct RowTask {
+    HeadView hv;
+    bool packed;
+    int i;
+    i64 row;
+};
+__device__ __forceinline__ bool row_task(const Params& p, RowTask& rt) {
+    const int bh = blockIdx.y + gridDim.y * blockIdx.z;
+    if (bh >= p.batch * p.hq) return false;
+    rt.hv = head_view(p, bh);
+    rt.packed = p.cu_seqlens_q != nullptr;
+    rt.i = blockIdx.x * 4 + threadIdx.x / 32;
+    rt.row = rt.packed ? rt.hv.q_start + rt.i : rt.i;
+    return rt.i < (rt.packed ? rt.hv.q_len : p.lq);
+}
+
 // ------------------------------------------------------------------ D = rowsum(dO * O)
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(128) flash_bwd_delta(const BwdParams bp) {
     const Params& p = bp.f;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int bh = blockIdx.y + gridDim.y * blockIdx.z;
-    if (bh >= p.batch * p.hq) return;
-    const HeadView hv = head_view(p, bh);
-    const bool packed = p.cu_seqlens_q != nullptr;
-    const int i = blockIdx.x * 4 + warp;
-    if (i >= (packed ? hv.q_len : p.lq)) return;
-    const i64 row = packed ? hv.q_start + i : i;
+    const int lane = threadIdx.x & 31;
+    RowTask rt;
+    if (!row_task(p, rt)) return;
+    const HeadView& hv = rt.hv;
+    const bool packed = rt.packed;
+    const int i = rt.i;
+    const i64 row = rt.row;
     const T* gdo = static_cast<const T*>(bp.dout) + (packed ? 0 : hv.b * bp.do_sb) + hv.h * bp.do_sh + row * bp.do_sr;
     const T* go = static_cast<const T*>(bp.out) + (packed ? 0 : hv.b * bp.out_sb) + hv.h * bp.out_sh + row * bp.out_sr;
     Acc sum = Acc(0);
@@ -464,14 +481,13 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(128) flash_bwd_dq_convert(const BwdParams bp) {
     const Params& p = bp.f;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int bh = blockIdx.y + gridDim.y * blockIdx.z;
-    if (bh >= p.batch * p.hq) return;
-    const HeadView hv = head_view(p, bh);
-    const bool packed = p.cu_seqlens_q != nullptr;
-    const int i = blockIdx.x * 4 + warp;
-    if (i >= (packed ? hv.q_len : p.lq)) return;
-    const i64 row = packed ? hv.q_start + i : i;
+    const int lane = threadIdx.x & 31;
+    RowTask rt;
+    if (!row_task(p, rt)) return;
+    const HeadView& hv = rt.hv;
+    const bool packed = rt.packed;
+    const int i = rt.i;
+    const i64 row = rt.row;
     const Acc* acc = static_cast<const Acc*>(bp.dq_accum) + (packed ? 0 : hv.b * bp.dqa_sb) + hv.h * bp.dqa_sh
                      + row * bp.dqa_sr;
     T* dq = static_cast<T*>(bp.dq) + (packed ? 0 : hv.b * bp.dq_sb) + hv.h * bp.dq_sh + row * bp.dq_sr;
