@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
         Policy::template qk<HD, BLOCK_C, LD, LD>(sQ + 16 * warp * LD, sK, s);    // S = Q K^T
         Policy::template qk<HD, BLOCK_C, LD, LD>(sdO + 16 * warp * LD, sV, dp);  // dP = dO V^T
         // No option touches the scores of a full tile inside the band: S = scale * log2(e) * s.
-        const bool fast = plain && j1 - j0 == BLOCK_C && tile_inside_band(p, hv, i0, i0 + rows_valid, j0, j1);
+        const bool fast = plain && j0 + BLOCK_C <= hi && tile_inside_band(p, hv, i0, i0 + rows_valid, j0, j1);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             bool keep[4] = {true, true, true, true};
@@ -362,7 +362,11 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         constexpr int K_UNROLL = MI == 2 ? 2 : 0;
         Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sK + 16 * MI * warp * LD, sQt, s_t);    // S^T = K Q^T
         Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sV + 16 * MI * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
-        const bool full_tile = i1 - i0 == BLOCK_C && keys_valid == BLOCK_R;
+        // Full tile: BLOCK_C queries and BLOCK_R keys, tested on the unclamped ends. CUDA 13's
+        // NVRTC folded `keys_valid == BLOCK_R` (keys_valid = max(0, min(BLOCK_R, n))) to true
+        // with one key: the padding keys then took the fast path, P = exp2(0 - lse2) overflowed
+        // where lse < 0 and dQ = dS K came out NaN (tests/test_fuzz.py, fp16 scores of -6e4).
+        const bool full_tile = i0 + BLOCK_C <= i_hi && j0 + BLOCK_R <= hv0.kv_len;
         const bool band = !tile_inside_band(p, hv, i0, i1, j0, j0 + max(keys_valid, 1));
         const bool fast = plain && full_tile && !band;
 #pragma unroll
@@ -383,9 +387,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                     const bool keep = fast || (valid && (!band || in_band(p, hv, i, j)));
                     x = keep ? raw * score.scale_log2 - sLset[c] : neg_inf<Acc>();
                 }
-                // Masked scores and padding give P = 0 and dS = 0 by selection, not through
-                // exp2(-inf) * (dP - D): found with scores of +-6e4 and one key (tests/test_fuzz.py),
-                // where dQ = dS K over the zero-filled keys of the tile came out NaN.
+                // Masked scores and padding give P = 0 and dS = 0 by selection, whatever dP - D
+                // holds there.
                 const bool live = fast || x != neg_inf<Acc>();
                 const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
                 Acc z = Acc(1);

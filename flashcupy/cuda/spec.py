@@ -280,8 +280,10 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
     if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
         tiles += ((16, 8, 1),)
     # dK and dV of a 128-wide chunk take 128 registers a thread; beside the full score
-    # pipeline at D > 128 (two chunks or more anyway) that spills, so it takes 64.
-    kv_chunk = min(hd, (64 if full and hd > 128 else 128) if policy == "mma16" else 32 if wide else 64)
+    # pipeline that spills at D > 128 (two chunks or more anyway), and on sm_80..sm_89 at
+    # D = 128 as well (ptxas: 16 bytes; sm_90's allocation fits), so those take 64.
+    narrow = full and (hd > 128 or (hd > 64 and arch < 90))
+    kv_chunk = min(hd, (64 if narrow else 128) if policy == "mma16" else 32 if wide else 64)
     dq_chunk = min(hd, 128) if policy == "mma16" else kv_chunk
     fused = not deterministic
     for block_r, block_c, mi in tiles:
