@@ -369,47 +369,60 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         const bool full_tile = i0 + BLOCK_C <= i_hi && j0 + BLOCK_R <= hv0.kv_len;
         const bool band = !tile_inside_band(p, hv, i0, i1, j0, j0 + max(keys_valid, 1));
         const bool fast = plain && full_tile && !band;
+        // P' = P z into s_t and dS^T into dp_t, element by element. FAST (a full tile inside the
+        // band, no score option): P = exp2(S * scale * log2(e) - lse2), nothing selected.
+        // Otherwise masked scores and padding get P = 0 and dS = 0 by selection, whatever
+        // dP - D holds there (0 * an overflowed dP would be NaN). Two copies, so that the
+        // fast tiles, nearly all of them, carry no per-element test (measured: bench/NOTES.md):
+        // without FULL the lambda is inlined at two calls, each with a constant FAST.
+        auto probabilities = [&](const bool FAST) {
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
+            for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+            for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
-                const bool valid = i < i1 && j < j0 + keys_valid;
-                const Acc raw = s_t[mi][n][e];
-                // The log2-domain score minus lse2, one FMA on the fast path; -inf where masked.
-                Acc x;
-                if constexpr (FULL) {
-                    x = fast ? raw * score.scale_log2 - sLset[c]
-                             : (valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>()) - sLset[c];
-                } else {
-                    const bool keep = fast || (valid && (!band || in_band(p, hv, i, j)));
-                    x = keep ? raw * score.scale_log2 - sLset[c] : neg_inf<Acc>();
-                }
-                // Masked scores and padding give P = 0 and dS = 0 by selection, whatever dP - D
-                // holds there.
-                const bool live = fast || x != neg_inf<Acc>();
-                const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
-                Acc z = Acc(1);
-                if (FULL && p.dropout_threshold != 0)
-                    z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold) ? dropout_scale
-                                                                                                    : Acc(0);
-                Acc ds = pe * (dp_t[mi][n][e] * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
-                if constexpr (FULL) {
-                    if (bp.dbias != nullptr && chunk == 0 && ds != Acc(0)) {
-                        acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh
-                                           + i * bp.db_si + j * bp.db_sj,
-                                       ds);
+                for (int e = 0; e < 4; ++e) {
+                    const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
+                    const bool valid = i < i1 && j < j0 + keys_valid;
+                    const Acc raw = s_t[mi][n][e];
+                    // The log2-domain score minus lse2 (one FMA on the fast path); -inf where masked.
+                    Acc x;
+                    if (FAST) {
+                        x = raw * score.scale_log2 - sLset[c];
+                    } else if constexpr (FULL) {
+                        x = (valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>()) - sLset[c];
+                    } else {
+                        const bool keep = valid && (!band || in_band(p, hv, i, j));
+                        x = keep ? raw * score.scale_log2 - sLset[c] : neg_inf<Acc>();
                     }
-                    if (p.has_softcap) {
-                        const Acc th = tanh_acc(raw * score.scale * score.inv_softcap);
-                        ds *= Acc(1) - th * th;  // d(c tanh(x / c)) / dx = 1 - tanh^2
+                    const bool live = FAST || x != neg_inf<Acc>();
+                    const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
+                    Acc z = Acc(1);
+                    if (FULL && p.dropout_threshold != 0)
+                        z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold)
+                                ? dropout_scale : Acc(0);
+                    Acc ds = pe * (dp_t[mi][n][e] * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
+                    if (FULL && !FAST) {
+                        if (bp.dbias != nullptr && chunk == 0 && ds != Acc(0)) {
+                            acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh
+                                               + i * bp.db_si + j * bp.db_sj,
+                                           ds);
+                        }
+                        if (p.has_softcap) {
+                            const Acc th = tanh_acc(raw * score.scale * score.inv_softcap);
+                            ds *= Acc(1) - th * th;  // d(c tanh(x / c)) / dx = 1 - tanh^2
+                        }
                     }
+                    s_t[mi][n][e] = pe * z;  // P' = P z
+                    dp_t[mi][n][e] = live ? ds : Acc(0);
                 }
-                s_t[mi][n][e] = pe * z;  // P' = P z
-                dp_t[mi][n][e] = live ? ds : Acc(0);
-            }
+        };
+        if (FULL)  // one copy: a second spills beside the full pipeline (48 bytes at D = 128)
+            probabilities(fast);
+        else if (fast)
+            probabilities(true);
+        else
+            probabilities(false);
         typename Policy::template PFrag<BLOCK_C> pf;
         Policy::template pack_p<BLOCK_C>(s_t, pf);
         Policy::template pv<BLOCK_C, CH, LD>(pf, sdOt + c0, dv);  // dV += P'^T dO

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
         Acc row_max[2 * MI];
 #pragma unroll
         for (int x = 0; x < 2 * MI; ++x) row_max[x] = neg_inf<Acc>();
-        if (plain && j0 + BLOCK_N <= hi && tile_inside_band(p, hv, i0, i1, j0, j1)) {  // full key tile
+        if (plain && j1 - j0 == BLOCK_N && tile_inside_band(p, hv, i0, i1, j0, j1)) {
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
