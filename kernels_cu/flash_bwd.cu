@@ -54,6 +54,13 @@ __host__ __device__ constexpr int dq_slices(int most, int width, int align) {
     return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
 }
 
+// Offset of row `row` of head h of batch b in a (batch, head, row) operand with element
+// strides sb, sh, sr. Packed operands have no batch stride: their rows count from the first
+// sequence, so `row` already includes the sequence's start.
+__device__ __forceinline__ i64 row_offset(bool packed, i64 b, i64 h, i64 row, i64 sb, i64 sh, i64 sr) {
+    return (packed ? 0 : b * sb) + h * sh + row * sr;
+}
+
 // One query row per warp, 4 per block (flash_bwd_delta, flash_bwd_dq_convert): its head
 // view, position i inside the sequence and stored row (packed: offset by q_start).
 struct RowTask {
@@ -61,6 +68,9 @@ struct RowTask {
     bool packed;
     int i;
     i64 row;
+    __device__ __forceinline__ i64 offset(i64 sb, i64 sh, i64 sr) const {  // of this row: row_offset
+        return row_offset(packed, hv.b, hv.h, row, sb, sh, sr);
+    }
 };
 __device__ __forceinline__ bool row_task(const Params& p, RowTask& rt) {
     const int bh = blockIdx.y + gridDim.y * blockIdx.z;
@@ -79,20 +89,17 @@ __global__ void __launch_bounds__(128) flash_bwd_delta(const BwdParams bp) {
     const int lane = threadIdx.x & 31;
     RowTask rt;
     if (!row_task(p, rt)) return;
-    const HeadView& hv = rt.hv;
-    const bool packed = rt.packed;
-    const int i = rt.i;
-    const i64 row = rt.row;
-    const T* gdo = static_cast<const T*>(bp.dout) + (packed ? 0 : hv.b * bp.do_sb) + hv.h * bp.do_sh + row * bp.do_sr;
-    const T* go = static_cast<const T*>(bp.out) + (packed ? 0 : hv.b * bp.out_sb) + hv.h * bp.out_sh + row * bp.out_sr;
+    const bool live = rt.i < rt.hv.q_len;  // rows past q_len (inside the padded frame) get 0
+    const T* gdo = static_cast<const T*>(bp.dout) + rt.offset(bp.do_sb, bp.do_sh, bp.do_sr);
+    const T* go = static_cast<const T*>(bp.out) + rt.offset(bp.out_sb, bp.out_sh, bp.out_sr);
     Acc sum = Acc(0);
     for (int d = lane; d < p.dv; d += 32) sum += widen(gdo[d]) * widen(go[d]);
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
     if (lane == 0) {
-        const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh + i;
-        static_cast<Acc*>(bp.delta)[stat] = i < hv.q_len ? sum : Acc(0);
-        static_cast<Acc*>(bp.lse2)[stat] = i < hv.q_len ? lse_log2(static_cast<const Acc*>(p.lse)[stat]) : Acc(0);
+        const i64 stat = rt.offset(p.lse_sb, p.lse_sh, 1);
+        static_cast<Acc*>(bp.delta)[stat] = live ? sum : Acc(0);
+        static_cast<Acc*>(bp.lse2)[stat] = live ? lse_log2(static_cast<const Acc*>(p.lse)[stat]) : Acc(0);
     }
 }
 
@@ -129,8 +136,9 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
     if (rows_valid > 0) key_range(p, hv, i0, i0 + rows_valid, lo, hi);
 
     const i64 q_row0 = packed ? hv.q_start + i0 : i0;
-    const T* gQ = static_cast<const T*>(p.q) + (packed ? 0 : hv.b * p.q_sb) + hv.h * p.q_sh + q_row0 * p.q_sr;
-    const T* gdO = static_cast<const T*>(bp.dout) + (packed ? 0 : hv.b * bp.do_sb) + hv.h * bp.do_sh + q_row0 * bp.do_sr;
+    const T* gQ = static_cast<const T*>(p.q) + row_offset(packed, hv.b, hv.h, q_row0, p.q_sb, p.q_sh, p.q_sr);
+    const T* gdO = static_cast<const T*>(bp.dout)
+                   + row_offset(packed, hv.b, hv.h, q_row0, bp.do_sb, bp.do_sh, bp.do_sr);
     const T* gK = static_cast<const T*>(p.k) + (packed ? hv.k_start * p.k_sr : hv.b * p.k_sb) + hk * p.k_sh;
     const T* gV = static_cast<const T*>(p.v) + (packed ? hv.k_start * p.v_sr : hv.b * p.v_sb) + hk * p.v_sh;
     const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh;  // lse and delta offset
@@ -273,8 +281,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     const int keys_valid = max(0, min(BLOCK_R, hv0.kv_len - j0));
 
     const i64 k_row0 = packed ? hv0.k_start + j0 : j0;
-    const T* gK = static_cast<const T*>(p.k) + (packed ? 0 : b * p.k_sb) + hk * p.k_sh + k_row0 * p.k_sr;
-    const T* gV = static_cast<const T*>(p.v) + (packed ? 0 : b * p.v_sb) + hk * p.v_sh + k_row0 * p.v_sr;
+    const T* gK = static_cast<const T*>(p.k) + row_offset(packed, b, hk, k_row0, p.k_sb, p.k_sh, p.k_sr);
+    const T* gV = static_cast<const T*>(p.v) + row_offset(packed, b, hk, k_row0, p.v_sb, p.v_sh, p.v_sr);
     load_tile<T, BLOCK_R, HD, LD, THREADS>(sK, gK, p.k_sr, keys_valid, p.d);
     load_tile<T, BLOCK_R, HD, LD, THREADS>(sV, gV, p.v_sr, keys_valid, p.dv_stored);
     cp_async_commit();
@@ -307,12 +315,12 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
         const int rows = min(i0 + BLOCK_C, i_hi) - i0;
         const i64 q_row0 = packed ? hv.q_start + i0 : i0;
-        const T* gQ = static_cast<const T*>(p.q) + (packed ? 0 : hv.b * p.q_sb) + hv.h * p.q_sh + q_row0 * p.q_sr;
-        const T* gdO = static_cast<const T*>(bp.dout) + (packed ? 0 : hv.b * bp.do_sb) + hv.h * bp.do_sh
-                       + q_row0 * bp.do_sr;
+        const T* gQ = static_cast<const T*>(p.q) + row_offset(packed, hv.b, hv.h, q_row0, p.q_sb, p.q_sh, p.q_sr);
+        const T* gdO = static_cast<const T*>(bp.dout)
+                       + row_offset(packed, hv.b, hv.h, q_row0, bp.do_sb, bp.do_sh, bp.do_sr);
         load_tile<T, BLOCK_C, HD, LD, THREADS>(sQ + st * BLOCK_C * LD, gQ, p.q_sr, rows, p.d);
         load_tile<T, BLOCK_C, HD, LD, THREADS>(sdO + st * BLOCK_C * LD, gdO, bp.do_sr, rows, p.dv_stored);
-        const i64 stat = (packed ? hv.q_start : hv.b * p.lse_sb) + hv.h * p.lse_sh + i0;
+        const i64 stat = row_offset(packed, hv.b, hv.h, q_row0, p.lse_sb, p.lse_sh, 1);
         for (int c = threadIdx.x; c < BLOCK_C; c += THREADS) {
             const bool valid = c < rows;
             cp_async_elem(sLse + st * BLOCK_C + c, static_cast<const Acc*>(bp.lse2) + stat + (valid ? c : 0), valid);
@@ -500,15 +508,11 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_convert(const BwdParams bp) 
     const int lane = threadIdx.x & 31;
     RowTask rt;
     if (!row_task(p, rt)) return;
-    const HeadView& hv = rt.hv;
-    const bool packed = rt.packed;
-    const int i = rt.i;
-    const i64 row = rt.row;
-    const Acc* acc = static_cast<const Acc*>(bp.dq_accum) + (packed ? 0 : hv.b * bp.dqa_sb) + hv.h * bp.dqa_sh
-                     + row * bp.dqa_sr;
-    T* dq = static_cast<T*>(bp.dq) + (packed ? 0 : hv.b * bp.dq_sb) + hv.h * bp.dq_sh + row * bp.dq_sr;
+    const bool live = rt.i < rt.hv.q_len;
+    const Acc* acc = static_cast<const Acc*>(bp.dq_accum) + rt.offset(bp.dqa_sb, bp.dqa_sh, bp.dqa_sr);
+    T* dq = static_cast<T*>(bp.dq) + rt.offset(bp.dq_sb, bp.dq_sh, bp.dq_sr);
     const Acc scale = static_cast<Acc>(p.scale);
-    for (int d = lane; d < bp.d_true; d += 32) dq[d] = static_cast<T>(i < hv.q_len ? acc[d] * scale : Acc(0));
+    for (int d = lane; d < bp.d_true; d += 32) dq[d] = static_cast<T>(live ? acc[d] * scale : Acc(0));
 }
 
 }  // namespace flash
