@@ -140,6 +140,7 @@ def demo(args: argparse.Namespace) -> int:
 #: What each warp policy of flashcupy.cuda.spec is, for ``info``.
 POLICY_DESCRIPTIONS = {
     "mma16": "tensor cores (mma.sync m16n8k16)",
+    "wgmma": "Hopper warpgroup tensor cores (wgmma.mma_async)",
     "tf32": "TF32 tensor cores",
     "dmma": "FP64 tensor cores (DMMA)",
     "simt": "SIMT (CUDA-core FMA)",
@@ -208,7 +209,7 @@ def _gpus() -> tuple[list[dict[str, Any]], str | None]:
 
 def kernel_paths(arch: int | None) -> dict[str, str]:
     """Which kernel path each dtype takes on a GPU of compute capability ``arch`` (None: no GPU)."""
-    from flashcupy.cuda.spec import force_portable, policy_for
+    from flashcupy.cuda.spec import WGMMA_HEAD_DIMS, force_portable, forward_policy, policy_for
 
     paths = {}
     for label, dtype, tf32 in [(name, name, False) for name in DTYPES] + [("float32 allow_tf32", "float32", True)]:
@@ -217,6 +218,10 @@ def kernel_paths(arch: int | None) -> dict[str, str]:
         else:
             policy = policy_for(dtype, arch, tf32, force_portable())
             paths[label] = f"{policy}: {POLICY_DESCRIPTIONS[policy]}"
+            wide = forward_policy(dtype, WGMMA_HEAD_DIMS[0], arch, tf32, force_portable())
+            if wide != policy:
+                dims = "/".join(map(str, WGMMA_HEAD_DIMS))
+                paths[label] += f"; forward at head dims {dims}: {wide}: {POLICY_DESCRIPTIONS[wide]}"
     return paths
 
 

@@ -65,4 +65,17 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 stride, in
     }
 }
 
+// A (ROWS, COLS) tile with rows padded by one 16-byte chunk (row pitch LD elements), so
+// that ldmatrix's and scalar loads' 8 rows fall on distinct banks.
+template <typename T, int ROWS, int COLS>
+struct PaddedTile {
+    static constexpr int LD = COLS + 16 / sizeof(T);
+    static constexpr int ELEMS = ROWS * LD;
+
+    template <int THREADS>
+    static __device__ __forceinline__ void load(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols) {
+        load_tile<T, ROWS, COLS, LD, THREADS>(smem, gmem, stride, valid_rows, valid_cols);
+    }
+};
+
 }  // namespace flash

@@ -11,7 +11,9 @@
 // Template parameters: T the element type, Policy the warp product (flash_mma.cuh),
 // HD the padded QK head dim, DV the width of the Dv chunk this block computes, BLOCK_N
 // keys per tile, NUM_WARPS warps of 16 Policy::MI rows each (BLOCK_M = 16 MI NUM_WARPS),
-// STAGES shared-memory stages of K and V (see the pipeline below).
+// STAGES shared-memory stages of K and V (see the pipeline below). Policies with
+// WARPGROUP (Hopper's wgmma, flash_wgmma.cuh) multiply a warpgroup's 64 rows at once from
+// swizzled tiles; the others a warp's rows from tiles with padded rows.
 // FULL compiles the whole score pipeline (bias, ALiBi, softcap, masks, block mask) and
 // dropout; without it only causal, window and lengths remain, which frees the registers
 // that let a warp own two row groups.
@@ -19,6 +21,7 @@
 #include "flash_mma.cuh"
 #include "flash_params.cuh"
 #include "flash_score.cuh"
+#include "flash_wgmma.cuh"
 #include "philox.cuh"
 
 namespace flash {
@@ -34,13 +37,40 @@ __device__ __forceinline__ int next_live_tile(const Params& p, const HeadView& h
     return j;
 }
 
+// The shared-memory layout of a policy's operand tiles.
+template <bool SWIZZLED> struct TileKind {
+    template <typename T, int ROWS, int COLS> using type = PaddedTile<T, ROWS, COLS>;
+};
+template <> struct TileKind<true> {
+    template <typename T, int ROWS, int COLS> using type = Sw128Tile<T, ROWS, COLS>;
+};
+
+// Waits for the copies of every cp.async group but the newest N, for all threads of the
+// block. Before a warpgroup product reads them, each thread also fences its copies to the
+// tensor cores' (asynchronous) view of shared memory.
+template <int N, bool WARPGROUP>
+__device__ __forceinline__ void wait_tiles() {
+    cp_async_wait<N>();
+    if constexpr (WARPGROUP) fence_proxy_async();
+    __syncthreads();
+}
+
 // Copies of key tile [j, j + BLOCK_N) of K and V (rows past hi zero-filled) into one stage.
-template <typename T, int BLOCK_N, int HD, int DV, int LDK, int LDV, int THREADS>
+template <typename KTile, typename VTile, int THREADS, typename T>
 __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const T* gK, const T* gV, const Params& p, int j, int hi,
                                              int dv_load) {
-    const int rows = min(BLOCK_N, hi - j);
-    load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j * p.k_sr, p.k_sr, rows, p.d);
-    load_tile<T, BLOCK_N, DV, LDV, THREADS>(sV, gV + j * p.v_sr, p.v_sr, rows, dv_load);
+    KTile::template load<THREADS>(sK, gK + j * p.k_sr, p.k_sr, hi - j, p.d);  // rows past the tile are never read
+    VTile::template load<THREADS>(sV, gV + j * p.v_sr, p.v_sr, hi - j, dv_load);
+}
+
+// O += P V with the policy's own product: per warpgroup or per warp.
+template <typename Policy, int BLOCK_N, int DV, typename VTile, typename PFrag, typename T, typename Acc, int MI>
+__device__ __forceinline__ void pv(PFrag& pf, const T* sV, Acc (&o)[MI][DV / 8][4]) {
+    if constexpr (Policy::WARPGROUP) {
+        Policy::template pv_tile<BLOCK_N, DV>(pf, sV, o);
+    } else {
+        Policy::template pv<BLOCK_N, DV, VTile::LD>(pf, sV, o);
+    }
 }
 
 template <typename T, typename Policy, int HD, int DV, int BLOCK_N, int NUM_WARPS, bool FULL, int STAGES>
@@ -50,16 +80,20 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     constexpr int MI = Policy::MI;          // 16-row groups per warp
     constexpr int WARP_M = 16 * MI;
     constexpr int BLOCK_M = WARP_M * NUM_WARPS;
-    constexpr int PAD = 16 / sizeof(T);  // one 16-byte chunk per row: ldmatrix rows hit distinct banks
-    constexpr int LDQ = HD + PAD, LDK = HD + PAD, LDV = DV + PAD;
+    constexpr bool WG = Policy::WARPGROUP;
+    using QTile = typename TileKind<WG>::template type<T, BLOCK_M, HD>;
+    using KTile = typename TileKind<WG>::template type<T, BLOCK_N, HD>;
+    using VTile = typename TileKind<WG>::template type<T, BLOCK_N, DV>;
     constexpr int NT = BLOCK_N / 8;      // accumulator tiles of S per warp
     constexpr int NO = DV / 8;           // accumulator tiles of O per warp
+    static_assert(!WG || NUM_WARPS % 4 == 0, "whole warpgroups");
 
     extern __shared__ __align__(16) unsigned char smem[];
-    T* sQ = reinterpret_cast<T*>(smem);  // (BLOCK_M, HD)
+    // Swizzled tiles start on 1024-byte boundaries (the host adds 1024 bytes of slack).
+    T* sQ = reinterpret_cast<T*>(smem + (WG ? (1024 - (smem_addr(smem) & 1023)) & 1023 : 0));  // (BLOCK_M, HD)
     static_assert(STAGES == 1 || STAGES == 2, "one or two shared-memory stages");
-    T* sK = sQ + BLOCK_M * LDQ;          // STAGES x (BLOCK_N, HD)
-    T* sV = sK + STAGES * BLOCK_N * LDK; // STAGES x (BLOCK_N, DV)
+    T* sK = sQ + QTile::ELEMS;               // STAGES x (BLOCK_N, HD)
+    T* sV = sK + STAGES * KTile::ELEMS;      // STAGES x (BLOCK_N, DV)
 
     // Grid: x = (Dv chunk, row block) with row blocks fastest, so consecutive blocks share
     // K and V in L2; batch x heads is split over y and z (gridDim.y is at most 65535).
@@ -122,34 +156,31 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     // tile of compute; one cp.async group per tile (possibly empty).
     // STAGES = 1 (FA2's, for wide heads where a second stage costs occupancy): V_j streams
     // in while S_j = Q K_j^T and its softmax are computed, K_next while O += P_j V_j.
-    load_tile<T, BLOCK_M, HD, LDQ, THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, rows_valid, p.d);
+    QTile::template load<THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, rows_valid, p.d);
     // Key tiles start at multiples of BLOCK_N (keys before lo are masked by the band test):
     // dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned.
     int j0 = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, lo - lo % BLOCK_N, hi);
     int j_pre = hi;  // STAGES = 2: the tile in flight to the other stage
     if constexpr (STAGES == 2) {
-        if (j0 < hi) load_kv_tile<T, BLOCK_N, HD, DV, LDK, LDV, THREADS>(sK, sV, gK, gV, p, j0, hi, dv_load);
+        if (j0 < hi) load_kv_tile<KTile, VTile, THREADS>(sK, sV, gK, gV, p, j0, hi, dv_load);
         cp_async_commit();  // Q and the first tile
         if (j0 < hi) j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
         if (j_pre < hi)
-            load_kv_tile<T, BLOCK_N, HD, DV, LDK, LDV, THREADS>(sK + BLOCK_N * LDK, sV + BLOCK_N * LDV, gK, gV, p, j_pre,
-                                                                hi, dv_load);
+            load_kv_tile<KTile, VTile, THREADS>(sK + KTile::ELEMS, sV + VTile::ELEMS, gK, gV, p, j_pre, hi, dv_load);
     } else if (j0 < hi) {
-        load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, min(BLOCK_N, hi - j0), p.d);
+        KTile::template load<THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, hi - j0, p.d);
     }
     cp_async_commit();
     int stage = 0;
     while (j0 < hi) {
         const int j1 = min(j0 + BLOCK_N, hi);
-        const T* sKs = sK + stage * BLOCK_N * LDK;
-        const T* sVs = sV + stage * BLOCK_N * LDV;
+        const T* sKs = sK + stage * KTile::ELEMS;
+        const T* sVs = sV + stage * VTile::ELEMS;
         if constexpr (STAGES == 2) {
-            cp_async_wait<1>();  // every group but the newest has landed: Q and tile j0
-            __syncthreads();     // ... for every thread
+            wait_tiles<1, WG>();  // every group but the newest has landed: Q and tile j0
         } else {
-            cp_async_wait<0>();  // Q and K_j have landed
-            __syncthreads();     // ... for every thread; and every warp is done with V of the last tile
-            load_tile<T, BLOCK_N, DV, LDV, THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_load);
+            wait_tiles<0, WG>();  // Q and K_j have landed; and every warp is done with V of the last tile
+            VTile::template load<THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_load);
             cp_async_commit();
         }
 
@@ -158,7 +189,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int n = 0; n < NT; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = Acc(0);
-        Policy::template qk<HD, BLOCK_N, LDQ, LDK>(sQ + WARP_M * warp * LDQ, sKs, s);  // S = Q K^T
+        if constexpr (WG) {  // S = Q K^T
+            Policy::template qk_tile<BLOCK_M, HD, BLOCK_N>(sQ, sKs, s);
+        } else {
+            Policy::template qk<HD, BLOCK_N, QTile::LD, KTile::LD>(sQ + WARP_M * warp * QTile::LD, sKs, s);
+        }
 
         Acc row_max[2 * MI];
 #pragma unroll
@@ -241,27 +276,24 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
         typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
         Policy::template pack_p<BLOCK_N>(s, pf);
         if constexpr (STAGES == 2) {
-            Policy::template pv<BLOCK_N, DV, LDV>(pf, sVs, o);  // O += P V
+            pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
             __syncthreads();  // every warp is done with this stage: refill it
             const int j_next = j_pre;
             if (j_pre < hi) {
                 j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j_pre + BLOCK_N, hi);
                 if (j_pre < hi)
-                    load_kv_tile<T, BLOCK_N, HD, DV, LDK, LDV, THREADS>(sK + stage * BLOCK_N * LDK,
-                                                                        sV + stage * BLOCK_N * LDV, gK, gV, p, j_pre,
-                                                                        hi, dv_load);
+                    load_kv_tile<KTile, VTile, THREADS>(sK + stage * KTile::ELEMS, sV + stage * VTile::ELEMS, gK, gV,
+                                                        p, j_pre, hi, dv_load);
             }
             cp_async_commit();
             j0 = j_next;
             stage ^= 1;
         } else {
             const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
-            cp_async_wait<0>();  // V_j has landed
-            __syncthreads();     // ... for every thread; and every warp is done reading K_j
-            if (j_next < hi)
-                load_tile<T, BLOCK_N, HD, LDK, THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, min(BLOCK_N, hi - j_next), p.d);
+            wait_tiles<0, WG>();  // V_j has landed; and every warp is done reading K_j
+            if (j_next < hi) KTile::template load<THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, hi - j_next, p.d);
             cp_async_commit();
-            Policy::template pv<BLOCK_N, DV, LDV>(pf, sVs, o);  // O += P V
+            pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
             j0 = j_next;
         }
     }

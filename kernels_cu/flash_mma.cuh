@@ -48,6 +48,7 @@ __device__ __forceinline__ Acc quad_fetch(const Acc (&tile)[4], int upper, int c
 // Policies whose second product reads P in the accumulator layout itself (one row group).
 template <typename Acc>
 struct PassP {
+    static constexpr bool WARPGROUP = false;  // products per warp (see flash_wgmma.cuh)
     static constexpr int PV_N = 8;  // pv's output width comes in multiples of this
     using PElem = Acc;  // element of a P fragment parked in shared memory
     template <int BN> using PFrag = Acc[1][BN / 8][4];
@@ -173,6 +174,7 @@ template <typename T, int MI_>
 struct MmaF16 {
     using Acc = float;
     static constexpr int MI = MI_;
+    static constexpr bool WARPGROUP = false;
 
     template <int HD, int BN, int LDQ, int LDK, int K_UNROLL = 0>
     static __device__ __forceinline__ void qk(const T* sQw, const T* sK, float (&s)[MI][BN / 8][4]) {

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 from flashcupy import cuda  # noqa: E402  (needs CuPy)
 from flashcupy.cuda import compile as kernels  # noqa: E402
-from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_kernels  # noqa: E402
+from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_kernels, select_forward  # noqa: E402
 
 GPU_SETTINGS = settings(max_examples=int(os.environ.get("FLASHCUPY_GPU_EXAMPLES", "60")), deadline=None)
 
@@ -78,6 +78,26 @@ def _case(shape_q, shape_k, dv=None, dtype=F16, data_seed=0, **options) -> Case:
                kv_lengths=np.array([9]), dropout_p=0.17, seed=0))  # regression: first key tile at odd key 7
 def test_forward_matches_reference(case: Case) -> None:
     _check_forward(case)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("shape, options", [
+    ((2, 3, 333, 290, 128, 128), {}),
+    ((1, 2, 1, 77, 100, 112), {"causal": True}),
+    ((2, 2, 290, 333, 256, 256), {"causal": "top_left"}),
+    ((1, 3, 200, 200, 128, 64), {"window": (40, 7), "q_lengths": np.array([150]), "kv_lengths": np.array([171])}),
+    ((2, 2, 130, 150, 200, 136), {"softcap": 5.0, "dropout_p": 0.2, "seed": 3}),
+    ((1, 2, 129, 140, 128, 128), {"bias": np.linspace(-2, 2, 129 * 140).reshape(129, 140), "alibi_slopes": np.array([0.5, 0.1])}),
+])
+def test_hopper_forward_matches_reference(dtype, shape, options) -> None:
+    """The wgmma forward (compute capability 9.0) on partial tiles, every option kind."""
+    arch, smem = cuda.device_limits(cupy.cuda.Device().id)
+    if arch != 90:
+        pytest.skip(f"wgmma kernels need compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    b, h, lq, lk, d, dv = shape
+    assert select_forward(np.dtype(dtype).name, d, dv, arch, smem, full=bool(set(options) - {"causal"})).policy == "wgmma"
+    options = {n: (x.astype(dtype) if n == "bias" else x) for n, x in options.items()}
+    _check_forward(_case((b, h, lq, d), (b, h, lk, d), dv=dv, dtype=dtype, **options))
 
 
 @GPU_SETTINGS

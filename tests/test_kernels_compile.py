@@ -16,7 +16,7 @@ to specs by count (exactly one entry per spec) and by demangling each entry with
 libstdc++'s ``__cxa_demangle`` into ``void <name_expression>(flash::Params)`` (or
 ``flash::BwdParams``)
 (without a demangler: by count, the policy read from the mangled name). Tensor-core
-entries (mma16, tf32, dmma) must have no stack frame and no spills. SIMT entries are
+entries (mma16, wgmma, tf32, dmma) must have no stack frame and no spills. SIMT entries are
 checked too; a SIMT spill is reported as a warning (visible in pytest's warnings
 summary) rather than failing the test. On failure, the assertion message holds the
 table of registers, stack frame and spills of every entry.
@@ -40,12 +40,12 @@ import pytest
 from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs
 
 ARCHS = (75, 80, 86, 89, 90)
-TENSOR_CORE_POLICIES = ("mma16", "tf32", "dmma")
+TENSOR_CORE_POLICIES = ("mma16", "wgmma", "tf32", "dmma")
 FAMILIES = ("forward", "backward")
 REQUIRE_ENV = "FLASHCUPY_REQUIRE_NVRTC"
 MAX_WORKERS = 2
 
-_COMPILING = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)'")
+_COMPILING = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)a?'")
 _PROPERTIES = re.compile(
     r"(?P<stack>\d+) bytes stack frame, (?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads"
 )

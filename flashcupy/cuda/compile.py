@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .params import BWD_PARAMS_DTYPE, PARAMS_DTYPE
-from .spec import KernelSpec
+from .spec import KernelSpec, arch_flag
 
 _SOURCES = {"forward": "flash_fwd.cu", "backward": "flash_bwd.cu", "philox_test": "philox_test.cu"}
 
@@ -203,6 +203,14 @@ def _device_arch(cupy: Any, device_id: int) -> str | None:
         return None
 
 
+def _arch_options(cupy: Any, device_id: int) -> tuple[str, ...]:
+    """An -arch option where ours differs from the sm_XX CuPy passes: sm_90a on compute
+    capability 9.0 (NVRTC compiles for the later, wider target of the two)."""
+    arch = int(cupy.cuda.Device(device_id).compute_capability)
+    flag = arch_flag(arch)
+    return (f"-arch={flag}",) if flag != f"sm_{arch}" else ()
+
+
 def _load(cupy: Any, family: str, name: str, options: tuple[str, ...], device_id: int):
     """Compile (or load from CuPy's cache) ``name`` and return its function; on a cache
     failure, warn once and compile again with the disk cache off."""
@@ -246,7 +254,7 @@ def get_function(family: str, name: str, device_id: int, smem_bytes: int = 0):
         fn = _functions.get(key)
         if fn is None:
             with cupy.cuda.Device(device_id):
-                fn = _load(cupy, family, name, compile_options(), device_id)
+                fn = _load(cupy, family, name, compile_options() + _arch_options(cupy, device_id), device_id)
                 if smem_bytes > 48 * 1024:  # above 48 KB a block must opt in
                     fn.max_dynamic_shared_size_bytes = smem_bytes
             _functions[key] = fn
@@ -272,7 +280,7 @@ def compile_for_arch(family: str, names: list[str], arch: int) -> str:
     with ptxas' verbose report. Raises KernelCompileError on failure."""
     from cupy_backends.cuda.libs import nvrtc
 
-    options = [*compile_options(), f"-arch=sm_{arch}", "--ptxas-options=--verbose"]
+    options = [*compile_options(), f"-arch={arch_flag(arch)}", "--ptxas-options=--verbose"]
     program = nvrtc.createProgram(read_source(family), _SOURCES[family], [], [])
     try:
         for name in names:

@@ -35,6 +35,10 @@ POLICIES = {
               lambda hd, full, arch: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
               else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 96 or full or (hd <= 128 and arch >= 90)
               else ((16, 4), (16, 2), (16, 1))),
+    # Hopper (sm_90a): wgmma per warpgroup, 64 rows each, two warpgroups a block; K and V
+    # fragments never enter registers, so S and O of 128 columns each fit beside P.
+    "wgmma": (lambda t: f"flash::MmaWgmma<{t}>", 1, 128,
+              lambda hd, full, arch: ((128, 8), (64, 8)) if hd <= 128 and not full else ((64, 8), (64, 4))),
     "tf32": (lambda t: "flash::MmaTf32", 1, 128, lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
     # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers;
     # the plain kernel at D <= 64 affords 32.
@@ -94,11 +98,12 @@ class KernelSpec:
     @functools.cached_property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: Q (BLOCK_M, HD) and ``stages`` of K (BLOCK_N, HD) and V
-        (BLOCK_N, DV), rows padded by 16 bytes."""
-        pad = 16 // self.itemsize
+        (BLOCK_N, DV); rows padded by 16 bytes, or (wgmma) swizzled without padding and
+        1024 bytes of slack to align the tiles."""
+        pad, slack = (0, 1024) if self.policy == "wgmma" else (16 // self.itemsize, 0)
         kv = self.stages * self.block_n
         elems = (self.block_m + kv) * (self.head_dim + pad) + kv * (self.dv_tile + pad)
-        return elems * self.itemsize
+        return elems * self.itemsize + slack
 
 
 def head_dim_bucket(dim: int) -> int:
@@ -116,6 +121,24 @@ def policy_for(dtype: str, arch: int, allow_tf32: bool, portable: bool) -> str:
     return {"float16": "mma16", "bfloat16": "mma16", "float64": "dmma"}.get(
         dtype, "tf32" if allow_tf32 else "simt"
     )
+
+
+#: Padded head dims the wgmma forward takes (whole 64-column slabs of 128-byte swizzled
+#: rows). At 64, mma.sync's kernel with two stages stays faster (H200: 0.82x FA2 against
+#: 0.75x): see bench/NOTES.md.
+WGMMA_HEAD_DIMS = (128, 256)
+
+
+def forward_policy(dtype: str, hd: int, arch: int, allow_tf32: bool, portable: bool) -> str:
+    """:func:`policy_for`, with float16/bfloat16 on sm_90 (wgmma needs sm_90a, which
+    only compute capability 9.0 has) taking warpgroup products where the head dim allows."""
+    policy = policy_for(dtype, arch, allow_tf32, portable)
+    return "wgmma" if policy == "mma16" and arch == 90 and hd in WGMMA_HEAD_DIMS else policy
+
+
+def arch_flag(arch: int) -> str:
+    """NVRTC's -arch value for sm_``arch``: sm_90a on 9.0, for wgmma (a superset of sm_90)."""
+    return f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
 
 
 def force_portable() -> bool:
@@ -139,14 +162,17 @@ def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allo
 def _select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool,
                     full: bool) -> KernelSpec:
     """:func:`select_forward` with ``portable`` decided, computed once per distinct arguments."""
-    policy = policy_for(dtype, arch, allow_tf32, portable)
-    _, _, dv_cap, candidates = POLICIES[policy]
     hd = head_dim_bucket(max(d, dv))
+    policy = forward_policy(dtype, hd, arch, allow_tf32, portable)
+    _, _, dv_cap, candidates = POLICIES[policy]
     dv_tile = min(hd, dv_cap)
     for block_n, warps in candidates(hd, full, arch):
         # A second K/V stage hides copies behind a whole tile of compute; wider heads would
         # pay for it in blocks per SM (measured on the H200: see bench/NOTES.md).
+        # wgmma, with no register fragments of K and V, affords the second stage wherever it fits.
         spec = KernelSpec(dtype, policy, hd, dv_tile, block_n, warps, full, 2 if hd <= 64 else 1)
+        if policy == "wgmma" and dataclasses.replace(spec, stages=2).smem_bytes <= smem_limit:
+            spec = dataclasses.replace(spec, stages=2)
         if spec.smem_bytes <= smem_limit:
             return spec
     raise NoKernelError(

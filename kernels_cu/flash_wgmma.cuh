@@ -1,0 +1,173 @@
+// Hopper's warpgroup products (wgmma.mma_async, sm_90a) for float16/bfloat16 attention.
+//
+// A warpgroup (4 consecutive warps, 128 threads) multiplies a (64, K) A operand by a (K, N)
+// B operand in one instruction per 16-wide k-step; the tensor cores read B, and A when it
+// is not in registers, straight from shared memory through a matrix descriptor, so no
+// ldmatrix is issued and no fragment of K or V occupies registers. The accumulator of warp
+// w of the warpgroup covers rows 16 w .. 16 w + 15 in exactly the layout of mma.sync m16n8
+// (flash_mma.cuh), one (16, 8) tile after the other, and the A fragment from registers is
+// m16n8k16's: the score pipeline, the online softmax and pack_p work unchanged.
+//
+// Shared memory holds every operand in the canonical 128-byte-swizzled layout (Sw128Tile):
+// 64-column slabs of (rows, 64) elements, 128 bytes a row, whose 16-byte chunk c of row r
+// sits at chunk c ^ (r % 8). The XOR spreads the 8 rows of a core matrix over all 32 banks
+// for the tensor cores' reads and for the 16-byte cp.async writes alike, with no padding.
+//   Q and K are K-major operands (the head dim contiguous): one descriptor per k-step,
+//   8-row groups 1024 bytes apart (SBO); a k-step advances the start by 32 bytes inside
+//   the slab, whose swizzle the hardware applies to the full address.
+//   V is the MN-major B operand of O += P V (Dv contiguous, transposed by the instruction):
+//   8-key groups 1024 bytes apart (SBO), 64-column slabs ROWS * 128 bytes apart (LBO).
+#pragma once
+
+#include "flash_copy.cuh"
+#include "flash_mma.cuh"
+
+namespace flash {
+
+// A (ROWS, COLS) tile in 64-column slabs of 128-byte rows with the 128-byte swizzle.
+// The tile's base must be 1024-byte aligned (the swizzle pattern repeats every 8 rows).
+template <typename T, int ROWS, int COLS>
+struct Sw128Tile {
+    static_assert(sizeof(T) == 2, "128-byte rows of 64 two-byte elements");
+    static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole slabs of whole 8-row swizzle atoms");
+    static constexpr int SLAB_BYTES = ROWS * 128;
+    static constexpr int ELEMS = ROWS * COLS;
+
+    // Byte offset of the 16-byte chunk c (columns 8c .. 8c + 7) of row r.
+    static __device__ __forceinline__ int chunk_offset(int r, int c) {
+        return (c >> 3) * SLAB_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+    }
+
+    // Rows [0, ROWS) of a (rows, cols) global matrix (row stride `stride` elements), zero
+    // outside (valid_rows, valid_cols), as cp.async 16-byte chunks. All threads call it.
+    template <int THREADS>
+    static __device__ __forceinline__ void load(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols) {
+        constexpr int CHUNKS = COLS / 8;
+        unsigned char* base = reinterpret_cast<unsigned char*>(smem);
+#pragma unroll 4
+        for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+            const int r = c / CHUNKS, chunk = c % CHUNKS;
+            const bool valid = r < valid_rows && 8 * chunk < valid_cols;
+            cp_async_16(base + chunk_offset(r, chunk), valid ? gmem + r * stride + 8 * chunk : gmem, valid);
+        }
+    }
+};
+
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Matrix descriptor of a 128-byte-swizzled operand starting at shared address `addr`.
+// Fields (16-byte units): start address [0, 14), leading-dimension byte offset [16, 30),
+// stride-dimension byte offset [32, 46), base offset [49, 52) = 0 (1024-byte aligned
+// atoms), swizzle mode [62, 64) = 1 (128 bytes).
+__device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
+    return u64((addr & 0x3ffffu) >> 4) | u64(lbo_bytes >> 4) << 16 | u64(sbo_bytes >> 4) << 32 | u64(1) << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Shared-memory writes of this thread (cp.async included) become visible to the tensor
+// cores' asynchronous reads: each writer fences, then the block's barrier follows.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// The compiler sees an asynchronous product as done when its asm statement ends. These
+// empty statements, placed after wgmma.wait_group, re-define each accumulator register
+// (and keep each register A operand alive) there, so no read or reuse moves above the wait.
+__device__ __forceinline__ void fence_reg(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void fence_reg(u32& x) { asm volatile("" : "+r"(x)::"memory"); }
+template <typename R, int N>
+__device__ __forceinline__ void fence_regs(R (&regs)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) fence_reg(regs[n][e]);
+}
+
+// Accumulator operand lists: "+f" of acc[n][e] for register i = 4 n + e.
+#define FLASH_ACC(i) "+f"(acc[(i) >> 2][(i) & 3])
+#define FLASH_ACC8(i) FLASH_ACC(i), FLASH_ACC(i + 1), FLASH_ACC(i + 2), FLASH_ACC(i + 3), \
+                      FLASH_ACC(i + 4), FLASH_ACC(i + 5), FLASH_ACC(i + 6), FLASH_ACC(i + 7)
+#define FLASH_ACC32 FLASH_ACC8(0), FLASH_ACC8(8), FLASH_ACC8(16), FLASH_ACC8(24)
+#define FLASH_ACC64 FLASH_ACC32, FLASH_ACC8(32), FLASH_ACC8(40), FLASH_ACC8(48), FLASH_ACC8(56)
+#define FLASH_REGS32 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                         \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FLASH_REGS64 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                         \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// D (64, N) += A (64, 16) B (16, N) for one warpgroup, float32 accumulators.
+//   ss: A and B from shared memory, both K-major.
+//   rs: A from registers (m16n8k16's A fragment per warp), B MN-major (transposed).
+// A0..A4: the operand numbers after the N / 2 accumulators.
+#define FLASH_WGMMA(N, TYPE, ACC, REGS, A0, A1, A2, A3, A4)                                           \
+    static __device__ __forceinline__ void ss(float (&acc)[N / 8][4], u64 a_desc, u64 b_desc) {          \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS ", %" A0   \
+                     ", %" A1 ", 1, 1, 1, 0, 0;\n"                                                      \
+                     : ACC : "l"(a_desc), "l"(b_desc));                                                 \
+    }                                                                                                   \
+    static __device__ __forceinline__ void rs(float (&acc)[N / 8][4], const u32 (&a)[4], u64 b_desc) {   \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS ", {%" A0  \
+                     ", %" A1 ", %" A2 ", %" A3 "}, %" A4 ", 1, 1, 1, 1;\n"                             \
+                     : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));                 \
+    }
+
+template <typename T, int N> struct Wgmma;
+template <> struct Wgmma<__half, 64> { FLASH_WGMMA(64, "f16", FLASH_ACC32, FLASH_REGS32, "32", "33", "34", "35", "36") };
+template <> struct Wgmma<__half, 128> { FLASH_WGMMA(128, "f16", FLASH_ACC64, FLASH_REGS64, "64", "65", "66", "67", "68") };
+template <> struct Wgmma<__nv_bfloat16, 64> { FLASH_WGMMA(64, "bf16", FLASH_ACC32, FLASH_REGS32, "32", "33", "34", "35", "36") };
+template <> struct Wgmma<__nv_bfloat16, 128> { FLASH_WGMMA(128, "bf16", FLASH_ACC64, FLASH_REGS64, "64", "65", "66", "67", "68") };
+
+#undef FLASH_WGMMA
+#undef FLASH_REGS64
+#undef FLASH_REGS32
+#undef FLASH_ACC64
+#undef FLASH_ACC32
+#undef FLASH_ACC8
+#undef FLASH_ACC
+
+// The forward's warp policy on Hopper: every warp owns 16 rows (MI = 1), a warpgroup 64.
+// Products are issued by the whole warpgroup and waited for before they return, so the
+// kernel's barriers and softmax see finished registers, as with the other policies.
+template <typename T>
+struct MmaWgmma : MmaF16<T, 1> {
+    static constexpr bool WARPGROUP = true;
+    template <int ROWS, int COLS> using Tile = Sw128Tile<T, ROWS, COLS>;
+
+    // S (16 per warp, BN) += Q K^T for the calling warp's warpgroup: Q (BLOCK_M, HD) and
+    // K (BN, HD) Sw128 tiles; the warpgroup's 64 rows start at row 64 (warp / 4) of sQ.
+    template <int BLOCK_M, int HD, int BN>
+    static __device__ __forceinline__ void qk_tile(const T* sQ, const T* sK, float (&s)[1][BN / 8][4]) {
+        const u32 q0 = smem_addr(sQ) + (threadIdx.x / 128) * 64 * 128, k0 = smem_addr(sK);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {  // slab kk / 4, 32 bytes per k-step inside it
+            const u32 off = (kk % 4) * 32;
+            Wgmma<T, BN>::ss(s[0], sw128_desc(q0 + (kk / 4) * (BLOCK_M * 128) + off, 16, 1024),
+                             sw128_desc(k0 + (kk / 4) * (BN * 128) + off, 16, 1024));
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_regs(s[0]);
+    }
+
+    // O (16 per warp, DV) += P V: P as m16n8k16 A fragments, V (BN, DV) an Sw128 tile.
+    template <int BN, int DV>
+    static __device__ __forceinline__ void pv_tile(u32 (&a)[1][BN / 16][4], const T* sV, float (&o)[1][DV / 8][4]) {
+        const u32 v0 = smem_addr(sV);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
+            Wgmma<T, DV>::rs(o[0], a[0][kk], sw128_desc(v0 + kk * 16 * 128, BN * 128, 1024));
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_regs(o[0]);
+        fence_regs(a[0]);
+    }
+};
+
+#endif  // sm_90a
+
+}  // namespace flash
