@@ -63,15 +63,105 @@ __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const T* gK, const T*
     VTile::template load<THREADS>(sV, gV + j * p.v_sr, p.v_sr, hi - j, dv_load);
 }
 
-// O += P V with the policy's own product: per warpgroup or per warp.
-template <typename Policy, int BLOCK_N, int DV, typename VTile, typename PFrag, typename T, typename Acc, int MI>
-__device__ __forceinline__ void pv(PFrag& pf, const T* sV, Acc (&o)[MI][DV / 8][4]) {
-    if constexpr (Policy::WARPGROUP) {
-        Policy::template pv_tile<BLOCK_N, DV>(pf, sV, o);
-    } else {
-        Policy::template pv<BLOCK_N, DV, VTile::LD>(pf, sV, o);
+// The online softmax of one thread's rows: running max m (log2 domain) and this thread's
+// share of the running sum l, and the score pipeline that feeds them.
+template <typename Acc, int MI, bool FULL>
+struct OnlineSoftmax {
+    const Params& p;
+    const HeadView& hv;
+    const ScoreOp<Acc>& score;
+    int i0, i1;    // the block's valid rows
+    int r0, t;     // this thread's first row and its column pair in each 8-column tile
+    bool plain;    // no option touches the scores: interior tiles only need S * scale * log2(e)
+    bool dropout;
+    Acc (&m)[2 * MI];  // rows r0 + 8 x, x in [0, 2 MI)
+    Acc (&l)[2 * MI];
+
+    // Scores of keys [jt0, jt0 + 8 NP) (valid below jt1) from raw products sp, turned into
+    // P = exp2(S - m) in place (dropped elements 0) and folded into m, l and O: each row
+    // group's O is rescaled by alpha = exp2(m_old - m_new) right after its exponentials.
+    template <int NP, int NO>
+    __device__ __forceinline__ void fold(Acc (&sp)[MI][NP][4], const int jt0, const int jt1, Acc (&o)[MI][NO][4]) {
+        Acc row_max[2 * MI];
+#pragma unroll
+        for (int x = 0; x < 2 * MI; ++x) row_max[x] = neg_inf<Acc>();
+        if (plain && jt1 - jt0 == 8 * NP && tile_inside_band(p, hv, i0, i1, jt0, jt1)) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int n = 0; n < NP; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        sp[mi][n][e] *= score.scale_log2;  // S = scale * log2(e) * Q K^T
+                        row_max[2 * mi + (e >> 1)] = max_acc(row_max[2 * mi + (e >> 1)], sp[mi][n][e]);
+                    }
+        } else {
+            const bool band = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int n = 0; n < NP; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int x = 2 * mi + (e >> 1);
+                        const int i = r0 + 8 * x, j = jt0 + 8 * n + 2 * t + (e & 1);
+                        // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
+                        // discarded: both masked, the latter before any mask or bias read.
+                        if constexpr (FULL) {
+                            sp[mi][n][e] = (j < jt1 && i < hv.q_len) ? score(p, hv, sp[mi][n][e], i, j, band)
+                                                                     : neg_inf<Acc>();
+                        } else {
+                            const bool keep = j < jt1 && i < hv.q_len && (!band || in_band(p, hv, i, j));
+                            sp[mi][n][e] = keep ? sp[mi][n][e] * score.scale_log2 : neg_inf<Acc>();
+                        }
+                        row_max[x] = max_acc(row_max[x], sp[mi][n][e]);
+                    }
+        }
+        Acc alpha[2 * MI], m_safe[2 * MI];
+#pragma unroll
+        for (int r = 0; r < 2 * MI; ++r) {  // the four lanes of a quad share rows: reduce across them
+            row_max[r] = max_acc(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
+            row_max[r] = max_acc(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
+            const Acc m_new = max_acc(m[r], row_max[r]);
+            // A row with every score so far masked has m = -inf; subtracting 0 instead keeps
+            // exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
+            m_safe[r] = m_new == neg_inf<Acc>() ? Acc(0) : m_new;
+            alpha[r] = fast_exp2(m[r] - m_safe[r]);  // rescales the old sum and accumulator
+            m[r] = m_new;
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+            for (int n = 0; n < NP; ++n) {
+                unsigned keep = 0xfu;  // bit e: element e survives dropout
+                if constexpr (FULL) {
+                    if (dropout) {
+                        const int i = r0 + 16 * mi, j = jt0 + 8 * n + 2 * t;
+                        bool k0, k1, k2, k3;
+                        dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold, k0, k1);
+                        dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, i + 8, j, p.dropout_threshold, k2, k3);
+                        keep = unsigned(k0) | unsigned(k1) << 1 | unsigned(k2) << 2 | unsigned(k3) << 3;
+                    }
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int x = 2 * mi + (e >> 1);
+                    const Acc pe = fast_exp2(sp[mi][n][e] - m_safe[x]);  // P = exp2(S - m)
+                    l[x] += pe;                                           // lse is taken before dropout
+                    sp[mi][n][e] = (keep >> e) & 1u ? pe : Acc(0);  // dropped; 1 / (1 - p) is applied once at the end
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {  // O *= alpha
+                o[mi][n][0] *= alpha[2 * mi];
+                o[mi][n][1] *= alpha[2 * mi];
+                o[mi][n][2] *= alpha[2 * mi + 1];
+                o[mi][n][3] *= alpha[2 * mi + 1];
+            }
+        }
     }
-}
+};
 
 template <typename T, typename Policy, int HD, int DV, int BLOCK_N, int NUM_WARPS, bool FULL, int STAGES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
@@ -134,9 +224,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     // No option touches the scores: interior tiles only need S * scale * log2(e).
     const bool plain = !FULL || (!p.has_softcap && score.bias == nullptr && p.alibi == nullptr
                                  && score.mask == nullptr && score.block_mask == nullptr);
+    const int i1 = i0 + rows_valid;
     // This thread's rows: row(x) = r0 + 8 x for x = 2 mi + (e >> 1), x in [0, 2 MI).
     const int r0 = i0 + WARP_M * warp + g;
     Acc m[2 * MI], l[2 * MI];  // running row max (log2 domain); this thread's share of the row sum
+    OnlineSoftmax<Acc, MI, FULL> softmax{p, hv, score, i0, i1, r0, t, plain, FULL && p.dropout_threshold != 0, m, l};
     Acc o[MI][NO][4];
 #pragma unroll
     for (int x = 0; x < 2 * MI; ++x) {
@@ -147,8 +239,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int n = 0; n < NO; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = Acc(0);
-    const bool dropout = FULL && p.dropout_threshold != 0;
-    const int i1 = i0 + rows_valid;
 
     // Pipeline, STAGES = 2: while key tile j is computed from one shared-memory stage, the
     // copies of the next live tile land in the other, and a stage is refilled with the tile
@@ -184,118 +274,56 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
             cp_async_commit();
         }
 
-        Acc s[MI][NT][4];
+        if constexpr (WG) {
+            // Each product is issued by the warpgroup and waited for before its registers are
+            // read. (Splitting the tile into 64-key parts, to overlap one part's softmax with
+            // the next part's products, measured slower: bench/NOTES.md.)
+            static_assert(STAGES == 2, "wgmma: two stages");
+            Acc s[1][NT][4];
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int n = 0; n < NT; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = Acc(0);
-        if constexpr (WG) {  // S = Q K^T
-            Policy::template qk_tile<BLOCK_M, HD, BLOCK_N>(sQ, sKs, s);
+            for (int n = 0; n < NT; ++n) s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = Acc(0);
+            Policy::template qk_issue<BLOCK_M, HD, BLOCK_N, BLOCK_N>(sQ, sKs, 0, s);  // S = Q K^T
+            wgmma_wait<0>();
+            fence_regs(s[0]);
+            softmax.fold(s, j0, j1, o);
+            typename Policy::template PFrag<BLOCK_N> pf;
+            Policy::template pack_p<BLOCK_N>(s, pf);
+            Policy::template pv_issue<BLOCK_N, DV, BLOCK_N>(pf, sVs, 0, o);  // O += P V
+            wgmma_wait<0>();
+            fence_regs(o[0]);
+            fence_regs(pf[0]);
         } else {
-            Policy::template qk<HD, BLOCK_N, QTile::LD, KTile::LD>(sQ + WARP_M * warp * QTile::LD, sKs, s);
-        }
-
-        Acc row_max[2 * MI];
-#pragma unroll
-        for (int x = 0; x < 2 * MI; ++x) row_max[x] = neg_inf<Acc>();
-        if (plain && j1 - j0 == BLOCK_N && tile_inside_band(p, hv, i0, i1, j0, j1)) {
+            Acc s[MI][NT][4];
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                for (int n = 0; n < NT; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        s[mi][n][e] *= score.scale_log2;  // S = scale * log2(e) * Q K^T
-                        row_max[2 * mi + (e >> 1)] = max_acc(row_max[2 * mi + (e >> 1)], s[mi][n][e]);
-                    }
-        } else {
-            const bool band = !tile_inside_band(p, hv, i0, i1, j0, j1);
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int n = 0; n < NT; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int x = 2 * mi + (e >> 1);
-                        const int i = r0 + 8 * x, j = j0 + 8 * n + 2 * t + (e & 1);
-                        // Keys past j1 are zero-filled padding of the tile and rows past q_len are
-                        // discarded: both masked, the latter before any mask or bias read.
-                        if constexpr (FULL) {
-                            s[mi][n][e] = (j < j1 && i < hv.q_len) ? score(p, hv, s[mi][n][e], i, j, band)
-                                                                   : neg_inf<Acc>();
-                        } else {
-                            const bool keep = j < j1 && i < hv.q_len && (!band || in_band(p, hv, i, j));
-                            s[mi][n][e] = keep ? s[mi][n][e] * score.scale_log2 : neg_inf<Acc>();
-                        }
-                        row_max[x] = max_acc(row_max[x], s[mi][n][e]);
-                    }
-        }
-        Acc alpha[2 * MI], m_safe[2 * MI];
-#pragma unroll
-        for (int r = 0; r < 2 * MI; ++r) {  // the four lanes of a quad share rows: reduce across them
-            row_max[r] = max_acc(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
-            row_max[r] = max_acc(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
-            const Acc m_new = max_acc(m[r], row_max[r]);
-            // A row with every score so far masked has m = -inf; subtracting 0 instead keeps
-            // exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
-            m_safe[r] = m_new == neg_inf<Acc>() ? Acc(0) : m_new;
-            alpha[r] = fast_exp2(m[r] - m_safe[r]);  // rescales the old sum and accumulator
-            m[r] = m_new;
-            l[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                unsigned keep = 0xfu;  // bit e: element e survives dropout
-                if constexpr (FULL) {
-                    if (dropout) {
-                        const int i = r0 + 16 * mi, j = j0 + 8 * n + 2 * t;
-                        bool k0, k1, k2, k3;
-                        dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold, k0, k1);
-                        dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, i + 8, j, p.dropout_threshold, k2, k3);
-                        keep = unsigned(k0) | unsigned(k1) << 1 | unsigned(k2) << 2 | unsigned(k3) << 3;
-                    }
-                }
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int x = 2 * mi + (e >> 1);
-                    const Acc pe = fast_exp2(s[mi][n][e] - m_safe[x]);  // P = exp2(S - m)
-                    l[x] += pe;                                          // lse is taken before dropout
-                    s[mi][n][e] = (keep >> e) & 1u ? pe : Acc(0);  // dropped; 1 / (1 - p) is applied once at the end
-                }
+                for (int n = 0; n < NT; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = Acc(0);
+            Policy::template qk<HD, BLOCK_N, QTile::LD, KTile::LD>(sQ + WARP_M * warp * QTile::LD, sKs, s);  // S = Q K^T
+            softmax.fold(s, j0, j1, o);
+            typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
+            Policy::template pack_p<BLOCK_N>(s, pf);
+            if constexpr (STAGES == 1) {  // the copy of V_j into the single stage has to land first
+                wait_tiles<0, WG>();      // ... and every warp be done reading K_j before K_next comes in
+                const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
+                if (j_next < hi) KTile::template load<THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, hi - j_next, p.d);
+                cp_async_commit();
+                Policy::template pv<BLOCK_N, DV, VTile::LD>(pf, sVs, o);  // O += P V
+                j0 = j_next;
+                continue;
             }
-#pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                o[mi][n][0] *= alpha[2 * mi];
-                o[mi][n][1] *= alpha[2 * mi];
-                o[mi][n][2] *= alpha[2 * mi + 1];
-                o[mi][n][3] *= alpha[2 * mi + 1];
-            }
+            Policy::template pv<BLOCK_N, DV, VTile::LD>(pf, sVs, o);  // O += P V
         }
-        typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
-        Policy::template pack_p<BLOCK_N>(s, pf);
-        if constexpr (STAGES == 2) {
-            pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
-            __syncthreads();  // every warp is done with this stage: refill it
-            const int j_next = j_pre;
-            if (j_pre < hi) {
-                j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j_pre + BLOCK_N, hi);
-                if (j_pre < hi)
-                    load_kv_tile<KTile, VTile, THREADS>(sK + stage * KTile::ELEMS, sV + stage * VTile::ELEMS, gK, gV,
-                                                        p, j_pre, hi, dv_load);
-            }
-            cp_async_commit();
-            j0 = j_next;
-            stage ^= 1;
-        } else {
-            const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
-            wait_tiles<0, WG>();  // V_j has landed; and every warp is done reading K_j
-            if (j_next < hi) KTile::template load<THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, hi - j_next, p.d);
-            cp_async_commit();
-            pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
-            j0 = j_next;
+        __syncthreads();  // every warp is done with this stage: refill it
+        const int j_next = j_pre;
+        if (j_pre < hi) {
+            j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j_pre + BLOCK_N, hi);
+            if (j_pre < hi)
+                load_kv_tile<KTile, VTile, THREADS>(sK + stage * KTile::ELEMS, sV + stage * VTile::ELEMS, gK, gV, p,
+                                                    j_pre, hi, dv_load);
         }
+        cp_async_commit();
+        j0 = j_next;
+        stage ^= 1;
     }
     cp_async_wait<0>();  // a block that attended no tile still waits for its Q copy
 

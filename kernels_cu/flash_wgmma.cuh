@@ -53,7 +53,14 @@ struct Sw128Tile {
     }
 };
 
-#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The synchronisation helpers below are declared for every architecture, so that kernels
+// can name them in branches only warpgroup policies take; their instructions exist on
+// sm_90a alone and compile to nothing elsewhere (MmaWgmma itself is sm_90a-only).
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLASH_SM90A_ASM(...)
+#else
+#define FLASH_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#endif
 
 // Matrix descriptor of a 128-byte-swizzled operand starting at shared address `addr`.
 // Fields (16-byte units): start address [0, 14), leading-dimension byte offset [16, 30),
@@ -63,12 +70,15 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes
     return u64((addr & 0x3ffffu) >> 4) | u64(lbo_bytes >> 4) << 16 | u64(sbo_bytes >> 4) << 32 | u64(1) << 62;
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { FLASH_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { FLASH_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N of this warpgroup's committed groups are still running (groups
+// complete in commit order).
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { FLASH_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Shared-memory writes of this thread (cp.async included) become visible to the tensor
 // cores' asynchronous reads: each writer fences, then the block's barrier follows.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { FLASH_SM90A_ASM("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // The compiler sees an asynchronous product as done when its asm statement ends. These
 // empty statements, placed after wgmma.wait_group, re-define each accumulator register
@@ -82,6 +92,10 @@ __device__ __forceinline__ void fence_regs(R (&regs)[N][4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) fence_reg(regs[n][e]);
 }
+
+#undef FLASH_SM90A_ASM
+
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Accumulator operand lists: "+f" of acc[n][e] for register i = 4 n + e.
 #define FLASH_ACC(i) "+f"(acc[(i) >> 2][(i) & 3])
@@ -129,42 +143,41 @@ template <> struct Wgmma<__nv_bfloat16, 128> { FLASH_WGMMA(128, "bf16", FLASH_AC
 #undef FLASH_ACC
 
 // The forward's warp policy on Hopper: every warp owns 16 rows (MI = 1), a warpgroup 64.
-// Products are issued by the whole warpgroup and waited for before they return, so the
-// kernel's barriers and softmax see finished registers, as with the other policies.
+// Products are only issued here, one commit group each; the kernel waits for them
+// (wgmma_wait, then fence_regs on the registers involved) so that it can overlap the
+// softmax of one part of a key tile with the products of another.
 template <typename T>
 struct MmaWgmma : MmaF16<T, 1> {
     static constexpr bool WARPGROUP = true;
     template <int ROWS, int COLS> using Tile = Sw128Tile<T, ROWS, COLS>;
 
-    // S (16 per warp, BN) += Q K^T for the calling warp's warpgroup: Q (BLOCK_M, HD) and
-    // K (BN, HD) Sw128 tiles; the warpgroup's 64 rows start at row 64 (warp / 4) of sQ.
-    template <int BLOCK_M, int HD, int BN>
-    static __device__ __forceinline__ void qk_tile(const T* sQ, const T* sK, float (&s)[1][BN / 8][4]) {
-        const u32 q0 = smem_addr(sQ) + (threadIdx.x / 128) * 64 * 128, k0 = smem_addr(sK);
+    // S (16 per warp, N) = Q K_part^T for the calling warp's warpgroup: Q (BLOCK_M, HD) and
+    // K (ROWS, HD) Sw128 tiles, K_part its rows [first_row, first_row + N) (first_row a
+    // multiple of 8); the warpgroup's 64 rows start at row 64 (warp / 4) of sQ. Adds to s.
+    template <int BLOCK_M, int HD, int N, int ROWS>
+    static __device__ __forceinline__ void qk_issue(const T* sQ, const T* sK, int first_row, float (&s)[1][N / 8][4]) {
+        const u32 q0 = smem_addr(sQ) + (threadIdx.x / 128) * 64 * 128, k0 = smem_addr(sK) + first_row * 128;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {  // slab kk / 4, 32 bytes per k-step inside it
             const u32 off = (kk % 4) * 32;
-            Wgmma<T, BN>::ss(s[0], sw128_desc(q0 + (kk / 4) * (BLOCK_M * 128) + off, 16, 1024),
-                             sw128_desc(k0 + (kk / 4) * (BN * 128) + off, 16, 1024));
+            Wgmma<T, N>::ss(s[0], sw128_desc(q0 + (kk / 4) * (BLOCK_M * 128) + off, 16, 1024),
+                            sw128_desc(k0 + (kk / 4) * (ROWS * 128) + off, 16, 1024));
         }
         wgmma_commit();
-        wgmma_wait_all();
-        fence_regs(s[0]);
     }
 
-    // O (16 per warp, DV) += P V: P as m16n8k16 A fragments, V (BN, DV) an Sw128 tile.
-    template <int BN, int DV>
-    static __device__ __forceinline__ void pv_tile(u32 (&a)[1][BN / 16][4], const T* sV, float (&o)[1][DV / 8][4]) {
-        const u32 v0 = smem_addr(sV);
+    // O (16 per warp, DV) += P V_part: P (16 per warp, KEYS) as m16n8k16 A fragments, V
+    // (ROWS, DV) an Sw128 tile, V_part its rows [first_row, first_row + KEYS).
+    template <int KEYS, int DV, int ROWS>
+    static __device__ __forceinline__ void pv_issue(const u32 (&a)[1][KEYS / 16][4], const T* sV, int first_row,
+                                                    float (&o)[1][DV / 8][4]) {
+        const u32 v0 = smem_addr(sV) + first_row * 128;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
-            Wgmma<T, DV>::rs(o[0], a[0][kk], sw128_desc(v0 + kk * 16 * 128, BN * 128, 1024));
+        for (int kk = 0; kk < KEYS / 16; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
+            Wgmma<T, DV>::rs(o[0], a[0][kk], sw128_desc(v0 + kk * 16 * 128, ROWS * 128, 1024));
         wgmma_commit();
-        wgmma_wait_all();
-        fence_regs(o[0]);
-        fence_regs(a[0]);
     }
 };
 
