@@ -63,6 +63,35 @@ __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const T* gK, const T*
     VTile::template load<THREADS>(sV, gV + j * p.v_sr, p.v_sr, hi - j, dv_load);
 }
 
+// S = Q K^T for the calling warp's rows with the policy's own product: a warpgroup product
+// is issued, then waited for before its registers are read (splitting the tile to overlap
+// one part's softmax with another part's products measured slower: bench/NOTES.md).
+template <typename Policy, int BLOCK_M, int HD, int BLOCK_N, typename QTile, typename KTile, typename T, typename Acc,
+          int MI>
+__device__ __forceinline__ void qk(const T* sQ, int warp, const T* sK, Acc (&s)[MI][BLOCK_N / 8][4]) {
+    if constexpr (Policy::WARPGROUP) {
+        static_assert(MI == 1, "a warp owns 16 rows of its warpgroup's 64");
+        Policy::template qk_issue<BLOCK_M, HD, BLOCK_N>(sQ, sK, s);
+        wgmma_wait<0>();
+        fence_regs(s[0]);
+    } else {
+        Policy::template qk<HD, BLOCK_N, QTile::LD, KTile::LD>(sQ + 16 * MI * warp * QTile::LD, sK, s);
+    }
+}
+
+// O += P V with the policy's own product (a warpgroup product waited for, as in qk).
+template <typename Policy, int BLOCK_N, int DV, typename VTile, typename PFrag, typename T, typename Acc, int MI>
+__device__ __forceinline__ void pv(PFrag& pf, const T* sV, Acc (&o)[MI][DV / 8][4]) {
+    if constexpr (Policy::WARPGROUP) {
+        Policy::template pv_issue<BLOCK_N, DV>(pf, sV, o);
+        wgmma_wait<0>();
+        fence_regs(o[0]);
+        fence_regs(pf[0]);
+    } else {
+        Policy::template pv<BLOCK_N, DV, VTile::LD>(pf, sV, o);
+    }
+}
+
 // The online softmax of one thread's rows: running max m (log2 domain) and this thread's
 // share of the running sum l, and the score pipeline that feeds them.
 template <typename Acc, int MI, bool FULL>
@@ -176,7 +205,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     using VTile = typename TileKind<WG>::template type<T, BLOCK_N, DV>;
     constexpr int NT = BLOCK_N / 8;      // accumulator tiles of S per warp
     constexpr int NO = DV / 8;           // accumulator tiles of O per warp
-    static_assert(!WG || NUM_WARPS % 4 == 0, "whole warpgroups");
+    static_assert(!WG || (NUM_WARPS % 4 == 0 && STAGES == 2), "whole warpgroups, two stages");
 
     extern __shared__ __align__(16) unsigned char smem[];
     // Swizzled tiles start on 1024-byte boundaries (the host adds 1024 bytes of slack).
@@ -274,45 +303,25 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
             cp_async_commit();
         }
 
-        if constexpr (WG) {
-            // Each product is issued by the warpgroup and waited for before its registers are
-            // read. (Splitting the tile into 64-key parts, to overlap one part's softmax with
-            // the next part's products, measured slower: bench/NOTES.md.)
-            static_assert(STAGES == 2, "wgmma: two stages");
-            Acc s[1][NT][4];
+        Acc s[MI][NT][4];
 #pragma unroll
-            for (int n = 0; n < NT; ++n) s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = Acc(0);
-            Policy::template qk_issue<BLOCK_M, HD, BLOCK_N, BLOCK_N>(sQ, sKs, 0, s);  // S = Q K^T
-            wgmma_wait<0>();
-            fence_regs(s[0]);
-            softmax.fold(s, j0, j1, o);
-            typename Policy::template PFrag<BLOCK_N> pf;
-            Policy::template pack_p<BLOCK_N>(s, pf);
-            Policy::template pv_issue<BLOCK_N, DV, BLOCK_N>(pf, sVs, 0, o);  // O += P V
-            wgmma_wait<0>();
-            fence_regs(o[0]);
-            fence_regs(pf[0]);
-        } else {
-            Acc s[MI][NT][4];
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int n = 0; n < NT; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = Acc(0);
-            Policy::template qk<HD, BLOCK_N, QTile::LD, KTile::LD>(sQ + WARP_M * warp * QTile::LD, sKs, s);  // S = Q K^T
-            softmax.fold(s, j0, j1, o);
-            typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
-            Policy::template pack_p<BLOCK_N>(s, pf);
-            if constexpr (STAGES == 1) {  // the copy of V_j into the single stage has to land first
-                wait_tiles<0, WG>();      // ... and every warp be done reading K_j before K_next comes in
-                const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
-                if (j_next < hi) KTile::template load<THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, hi - j_next, p.d);
-                cp_async_commit();
-                Policy::template pv<BLOCK_N, DV, VTile::LD>(pf, sVs, o);  // O += P V
-                j0 = j_next;
-                continue;
-            }
-            Policy::template pv<BLOCK_N, DV, VTile::LD>(pf, sVs, o);  // O += P V
+            for (int n = 0; n < NT; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = Acc(0);
+        qk<Policy, BLOCK_M, HD, BLOCK_N, QTile, KTile>(sQ, warp, sKs, s);  // S = Q K^T
+        softmax.fold(s, j0, j1, o);
+        typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
+        Policy::template pack_p<BLOCK_N>(s, pf);
+        if constexpr (STAGES == 1) {  // the copy of V_j into the single stage has to land first
+            wait_tiles<0, WG>();      // ... and every warp be done reading K_j before K_next comes in
+            const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
+            if (j_next < hi) KTile::template load<THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, hi - j_next, p.d);
+            cp_async_commit();
+            pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
+            j0 = j_next;
+            continue;
         }
+        pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
         __syncthreads();  // every warp is done with this stage: refill it
         const int j_next = j_pre;
         if (j_pre < hi) {

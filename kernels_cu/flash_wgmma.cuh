@@ -143,40 +143,38 @@ template <> struct Wgmma<__nv_bfloat16, 128> { FLASH_WGMMA(128, "bf16", FLASH_AC
 #undef FLASH_ACC
 
 // The forward's warp policy on Hopper: every warp owns 16 rows (MI = 1), a warpgroup 64.
-// Products are only issued here, one commit group each; the kernel waits for them
-// (wgmma_wait, then fence_regs on the registers involved) so that it can overlap the
-// softmax of one part of a key tile with the products of another.
+// Products are only issued here, one commit group each; the caller waits for them
+// (wgmma_wait, then fence_regs on the registers involved).
 template <typename T>
 struct MmaWgmma : MmaF16<T, 1> {
     static constexpr bool WARPGROUP = true;
     template <int ROWS, int COLS> using Tile = Sw128Tile<T, ROWS, COLS>;
 
-    // S (16 per warp, N) = Q K_part^T for the calling warp's warpgroup: Q (BLOCK_M, HD) and
-    // K (ROWS, HD) Sw128 tiles, K_part its rows [first_row, first_row + N) (first_row a
-    // multiple of 8); the warpgroup's 64 rows start at row 64 (warp / 4) of sQ. Adds to s.
-    template <int BLOCK_M, int HD, int N, int ROWS>
-    static __device__ __forceinline__ void qk_issue(const T* sQ, const T* sK, int first_row, float (&s)[1][N / 8][4]) {
-        const u32 q0 = smem_addr(sQ) + (threadIdx.x / 128) * 64 * 128, k0 = smem_addr(sK) + first_row * 128;
+    // S (16 per warp, N) += Q K^T for the calling warp's warpgroup: Q (BLOCK_M, HD) and
+    // K (N, HD) Sw128 tiles; the warpgroup's 64 rows start at row 64 (warp / 4) of sQ.
+    template <int BLOCK_M, int HD, int N>
+    static __device__ __forceinline__ void qk_issue(const T* sQ, const T* sK, float (&s)[1][N / 8][4]) {
+        const u32 q0 = smem_addr(sQ) + (threadIdx.x / 128) * 64 * 128, k0 = smem_addr(sK);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {  // slab kk / 4, 32 bytes per k-step inside it
             const u32 off = (kk % 4) * 32;
             Wgmma<T, N>::ss(s[0], sw128_desc(q0 + (kk / 4) * (BLOCK_M * 128) + off, 16, 1024),
-                            sw128_desc(k0 + (kk / 4) * (ROWS * 128) + off, 16, 1024));
+                            sw128_desc(k0 + (kk / 4) * (N * 128) + off, 16, 1024));
         }
         wgmma_commit();
     }
 
-    // O (16 per warp, DV) += P V_part: P (16 per warp, KEYS) as m16n8k16 A fragments, V
-    // (ROWS, DV) an Sw128 tile, V_part its rows [first_row, first_row + KEYS).
-    template <int KEYS, int DV, int ROWS>
-    static __device__ __forceinline__ void pv_issue(const u32 (&a)[1][KEYS / 16][4], const T* sV, int first_row,
+    // O (16 per warp, DV) += P V: P (16 per warp, KEYS) as m16n8k16 A fragments, V (KEYS, DV)
+    // an Sw128 tile.
+    template <int KEYS, int DV>
+    static __device__ __forceinline__ void pv_issue(const u32 (&a)[1][KEYS / 16][4], const T* sV,
                                                     float (&o)[1][DV / 8][4]) {
-        const u32 v0 = smem_addr(sV) + first_row * 128;
+        const u32 v0 = smem_addr(sV);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KEYS / 16; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
-            Wgmma<T, DV>::rs(o[0], a[0][kk], sw128_desc(v0 + kk * 16 * 128, ROWS * 128, 1024));
+            Wgmma<T, DV>::rs(o[0], a[0][kk], sw128_desc(v0 + kk * 16 * 128, KEYS * 128, 1024));
         wgmma_commit();
     }
 };
