@@ -141,7 +141,8 @@ def demo(args: argparse.Namespace) -> int:
 POLICY_DESCRIPTIONS = {
     "mma16": "tensor cores (mma.sync m16n8k16)",
     "wgmma": "Hopper warpgroup tensor cores (wgmma.mma_async)",
-    "tf32": "TF32 tensor cores",
+    "tf32": "TF32 tensor cores (allow_tf32: one TF32 product per product)",
+    "tf32x3": "TF32 tensor cores, three products per product (3xTF32: float32 accuracy)",
     "dmma": "FP64 tensor cores (DMMA)",
     "simt": "SIMT (CUDA-core FMA)",
 }

@@ -18,7 +18,8 @@
 // Packing happens before the block's barrier, so only the (narrower) PFrag stays live.
 //
 // MmaF16   float16/bfloat16 on tensor cores: mma.sync m16n8k16 fed by ldmatrix (sm_80+)
-// MmaTf32  float32 on TF32 tensor cores: mma.sync m16n8k8 (sm_80+, allow_tf32)
+// MmaTf32  float32 on TF32 tensor cores: mma.sync m16n8k8 (sm_80+), three products per
+//          product (3xTF32, float32 accuracy) or, with allow_tf32, one
 // MmaF64   float64 on FP64 tensor cores: mma.sync m8n8k4, two per 16 rows (sm_80+)
 // Simt     any dtype with FMA in the accumulator type (every architecture)
 #pragma once
@@ -268,55 +269,168 @@ struct MmaF16 {
     }
 };
 
-// ------------------------------------------------------------------ TF32 (allow_tf32)
+// ------------------------------------------------------------------ float32 on TF32 tensor cores
+// x rounded to TF32 (allow_tf32's operands): to nearest, ties away from zero.
 __device__ __forceinline__ u32 to_tf32(float x) {
     u32 r;
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
     return r;
 }
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// N float32 operand elements as TF32 products take them (10 explicit mantissa bits).
+// SPLIT = false (allow_tf32): x rounded once, relative error up to 2^-11.
+// SPLIT = true (3xTF32, float32's default): x = hi + lo and a b = hi_a hi_b + hi_a lo_b + lo_a hi_b.
+//   hi: x rounded to TF32 as cvt.rna does (to nearest, ties away), but in two integer
+//       instructions: add half a unit of bit 13, clear the 13 bits below TF32's mantissa (a
+//       carry into the exponent is the correct rounding up). cvt.rna.tf32.f32 is emulated
+//       with several more on sm_80 and sm_90 and cost 15-25% of the forward (bench/NOTES.md).
+//   lo: x - hi, exact in float32 and at most 2^-11 |x|, passed as it is: the tensor cores
+//       read a TF32 operand's top 19 bits, so lo is truncated, by at most 2^-21 |x|.
+// With the missing lo_a lo_b (below 2^-22 |a b|) that is float32's tolerance with room to
+// spare (2^-17 of the result's size), at three TF32 products per product. Non-finite x:
+// hi of an infinity is that infinity and lo NaN; hi of a NaN may be anything (0x7fffffff
+// carries into the sign bit) but lo is NaN. Either way the products read NaN, and a
+// non-finite input still gives non-finite results wherever it is read.
+template <bool SPLIT, int N>
+struct Tf32Frag {
+    u32 hi[N];
+    u32 lo[SPLIT ? N : 1];
+    __device__ __forceinline__ void set(int i, float x) {
+        if constexpr (SPLIT) {
+            hi[i] = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+            lo[i] = __float_as_uint(x - __uint_as_float(hi[i]));
+        } else {
+            hi[i] = to_tf32(x);
+        }
+    }
+};
+
+// C (16, 8) += A (16, 8) B (8, 8), the small cross terms first.
+template <bool SPLIT>
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const Tf32Frag<SPLIT, 4>& a, const Tf32Frag<SPLIT, 2>& b) {
+    if constexpr (SPLIT) {
+        mma_m16n8k8_tf32(c, a.lo, b.hi[0], b.hi[1]);
+        mma_m16n8k8_tf32(c, a.hi, b.lo[0], b.lo[1]);
+    }
+    mma_m16n8k8_tf32(c, a.hi, b.hi[0], b.hi[1]);
+}
+
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+
+// float32 through mma.sync m16n8k8 (sm_80+): one TF32 product per product (SPLIT = false,
+// allow_tf32) or three (SPLIT = true). Read as 32-bit elements, ldmatrix's 8x8 b16 matrices
+// are 8 rows of 4 floats, lane 4 g + t receiving (row g, float t): exactly the TF32 A and
+// B fragments of Q and K. P stays in the accumulator layout, its keys permuted inside each
+// 8-key tile (A column t is key 2t, column t + 4 key 2t + 1) so no shuffle is needed; V's
+// rows are read in the same order.
+template <bool SPLIT, int MI_>
 struct MmaTf32 : PassP<float> {
     using Acc = float;
-    using One = MmaTf32;
-    static constexpr int MI = 1;
+    using One = MmaTf32<SPLIT, 1>;
+    static constexpr int MI = MI_;
+    template <int BN> using PFrag = float[MI][BN / 8][4];
+    template <int BN>
+    static __device__ __forceinline__ void pack_p(const float (&s)[MI][BN / 8][4], float (&pf)[MI][BN / 8][4]) {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pf[mi][n][e] = s[mi][n][e];
+    }
 
     template <int HD, int BN, int LDQ, int LDK, int K_UNROLL = 0>
-    static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s_)[1][BN / 8][4]) {
-        float(&s)[BN / 8][4] = s_[0];
-        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll 2
+    static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s)[MI][BN / 8][4]) {
+        static_assert(HD % 8 == 0 && BN % 8 == 0, "m16n8k8 tiles");
+        const int lane = threadIdx.x & 31;
+        constexpr int UNROLL = K_UNROLL != 0 ? K_UNROLL : 2;
+#pragma unroll UNROLL
         for (int k8 = 0; k8 < HD / 8; ++k8) {
-            const float* q = sQw + 8 * k8 + t;  // A (16, 8): (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
-            const u32 a[4] = {to_tf32(q[g * LDQ]), to_tf32(q[(g + 8) * LDQ]), to_tf32(q[g * LDQ + 4]),
-                                   to_tf32(q[(g + 8) * LDQ + 4])};
+            Tf32Frag<SPLIT, 4> a[MI];  // Q (16, 8): matrices (rows 0-7, k 0-3), (8-15, 0-3), (0-7, 4-7), (8-15, 4-7)
 #pragma unroll
-            for (int n = 0; n < BN / 8; ++n) {
-                const float* kr = sK + (8 * n + g) * LDK + 8 * k8 + t;  // B (8, 8): (k t, n g), (k t + 4, n g)
-                mma_tf32(s[n], a, to_tf32(kr[0]), to_tf32(kr[4]));
+            for (int mi = 0; mi < MI; ++mi) {
+                u32 r[4];
+                ldmatrix_x4(r, sQw + (16 * mi + (lane & 15)) * LDQ + 8 * k8 + (lane >> 4) * 4);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a[mi].set(e, __uint_as_float(r[e]));
+            }
+#pragma unroll
+            for (int n = 0; n < BN / 8; n += 2) {
+                // K (8, 8) per key tile n: matrices (keys 8n + 0-7, k 0-3) -> b0, (8n + 0-7, k 4-7) -> b1,
+                // then the same of tile n + 1 where there is one
+                Tf32Frag<SPLIT, 2> b[2];
+                const float* kr = sK + (8 * n + (lane & 7) + (lane >> 4) * 8) * LDK + 8 * k8 + ((lane >> 3) & 1) * 4;
+                if (n + 1 < BN / 8) {
+                    u32 r[4];
+                    ldmatrix_x4(r, kr);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) b[e >> 1].set(e & 1, __uint_as_float(r[e]));
+                } else {
+                    u32 r[2];
+                    ldmatrix_x2(r, kr);
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) b[0].set(e, __uint_as_float(r[e]));
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    if (n + h < BN / 8)
+#pragma unroll
+                        for (int mi = 0; mi < MI; ++mi) mma_tf32<SPLIT>(s[mi][n + h], a[mi], b[h]);
             }
         }
     }
 
+    // O += P V, in groups of NG 8-column tiles of O: each group gets this key tile's sum in
+    // zeroed accumulators and then one float32 addition. The tensor cores' accumulation is
+    // not rounded to nearest (it truncates): added straight into O over thousands of keys,
+    // its error grew linearly with the sequence (H200, 3xTF32, L = 16384: up to 8.7x the
+    // tolerance of dV). This way it is bounded by one tile of keys, and the additions into
+    // O round to nearest. P is split again per group; holding all of its split fragments
+    // instead spills.
     template <int BN, int DV, int LDV>
-    static __device__ __forceinline__ void pv(const float (&p_)[1][BN / 8][4], const float* sV, float (&o_)[1][DV / 8][4]) {
-        const float(&p)[BN / 8][4] = p_[0];
-        float(&o)[DV / 8][4] = o_[0];
+    static __device__ __forceinline__ void pv(const float (&p)[MI][BN / 8][4], const float* sV, float (&o)[MI][DV / 8][4]) {
+        constexpr int NT = DV / 8, NG = NT % 4 == 0 && NT < 16 ? 4 : NT % 2 == 0 ? 2 : 1;
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int k8 = 0; k8 < BN / 8; ++k8) {
-            const u32 a[4] = {to_tf32(quad_fetch(p[k8], 0, t)), to_tf32(quad_fetch(p[k8], 1, t)),
-                                   to_tf32(quad_fetch(p[k8], 0, t + 4)), to_tf32(quad_fetch(p[k8], 1, t + 4))};
+        for (int n0 = 0; n0 < NT; n0 += NG) {
+            float acc[MI][NG][4];
 #pragma unroll
-            for (int n = 0; n < DV / 8; ++n) {
-                const float* vr = sV + (8 * k8 + t) * LDV + 8 * n + g;
-                mma_tf32(o[n], a, to_tf32(vr[0]), to_tf32(vr[4 * LDV]));
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int n = 0; n < NG; ++n) acc[mi][n][0] = acc[mi][n][1] = acc[mi][n][2] = acc[mi][n][3] = 0.0f;
+#pragma unroll
+            for (int k8 = 0; k8 < BN / 8; ++k8) {
+                Tf32Frag<SPLIT, 4> a[MI];  // P (16, 8): (g, key 2t), (g + 8, key 2t), (g, key 2t + 1), (g + 8, key 2t + 1)
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mi].set(e, p[mi][k8][(e >> 1) | (e & 1) << 1]);
+#pragma unroll
+                for (int n = 0; n < NG; ++n) {
+                    // B (8, 8): (key 2t, d g), (key 2t + 1, d g)
+                    const float* vr = sV + (8 * k8 + 2 * t) * LDV + 8 * (n0 + n) + g;
+                    Tf32Frag<SPLIT, 2> b;
+                    b.set(0, vr[0]);
+                    b.set(1, vr[LDV]);
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi) mma_tf32<SPLIT>(acc[mi][n], a[mi], b);
+                }
             }
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int n = 0; n < NG; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o[mi][n0 + n][e] += acc[mi][n][e];
         }
     }
 };

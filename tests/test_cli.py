@@ -65,7 +65,7 @@ def test_kernel_paths_per_architecture() -> None:
     assert set(cli.kernel_paths(None).values()) == {"cpu backend"}
     paths = cli.kernel_paths(90)
     assert paths["float16"].startswith("mma16") and paths["bfloat16"].startswith("mma16")
-    assert paths["float32"].startswith("simt") and paths["float32 allow_tf32"].startswith("tf32")
+    assert paths["float32"].startswith("tf32x3") and paths["float32 allow_tf32"].startswith("tf32:")
     assert paths["float64"].startswith("dmma")
     assert {p.split(":")[0] for p in cli.kernel_paths(75).values()} == {"simt"}
 

@@ -318,7 +318,20 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
         assert "flash::MmaWgmma<" in spec.name_expression
     for d, arch in ((32, 90), (64, 90), (96, 90), (512, 90), (128, 80), (128, 86), (128, 89)):
         assert S.select_forward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full).policy == "mma16"
-    assert S.select_forward("float32", 128, 128, 90, S.ARCH_SMEM[90]).policy == "simt"
+    assert S.select_forward("float32", 128, 128, 90, S.ARCH_SMEM[90]).policy == "tf32x3"
+
+
+@pytest.mark.parametrize("arch", [75, 80, 86, 89, 90])
+def test_float32_keeps_float32_accuracy_unless_tf32_is_allowed(arch) -> None:
+    """float32 takes three TF32 products per product (3xTF32) on sm_80+ by default, one with
+    allow_tf32, and FMA before sm_80 or when forced portable; forward and backward alike."""
+    smem = S.ARCH_SMEM[arch]
+    for select in (S.select_forward, S.select_backward):
+        for d in (40, 64, 128, 256):
+            want = ("simt", "simt") if arch < 80 else ("tf32x3", "tf32")
+            assert (select("float32", d, d, arch, smem).policy, select("float32", d, d, arch, smem, True).policy) == want
+            assert select("float32", d, d, arch, smem, portable=True).policy == "simt"
+    assert "flash::MmaTf32<true, " in S.select_forward("float32", 64, 64, 80, S.ARCH_SMEM[80]).name_expression
 
 
 def test_arch_flag_names_sm_90a_only_for_compute_capability_9_0() -> None:

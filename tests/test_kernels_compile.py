@@ -40,7 +40,7 @@ import pytest
 from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs
 
 ARCHS = (75, 80, 86, 89, 90)
-TENSOR_CORE_POLICIES = ("mma16", "wgmma", "tf32", "dmma")
+TENSOR_CORE_POLICIES = ("mma16", "wgmma", "tf32", "tf32x3", "dmma")
 FAMILIES = ("forward", "backward")
 REQUIRE_ENV = "FLASHCUPY_REQUIRE_NVRTC"
 MAX_WORKERS = 2

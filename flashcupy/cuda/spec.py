@@ -22,30 +22,38 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 256, 512)
 #: C++ element type per dtype name.
 CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 
-#: Per policy: the C++ policy for an element type, 16-row groups per warp (the policy's MI),
-#: the widest Dv chunk one block keeps in registers, and (BLOCK_N, NUM_WARPS) candidates for
-#: (padded head dim, full pipeline, compute capability) in order of preference: the first
-#: that fits the GPU's shared memory wins. Every choice compiles without register spills
-#: (tests/test_kernels_compile.py checks each architecture).
+#: Per policy: the C++ policy for (element type, 16-row groups per warp), the row groups per
+#: warp of the plain kernels at a padded head dim (the full pipeline's registers leave room
+#: for one), the widest Dv chunk one block keeps in registers, and (BLOCK_N, NUM_WARPS)
+#: candidates for (padded head dim, full pipeline, compute capability) in order of
+#: preference: the first that fits the GPU's shared memory wins. Every choice compiles
+#: without register spills (tests/test_kernels_compile.py checks each architecture).
 POLICIES = {
     # Two row groups per warp (plain kernels): O (32, DV) and S (32, BLOCK_N) share the
     # register file, so wide heads take narrow key tiles (32 keys at D=128 fits sm_90's
-    # allocation, not sm_8x's). The full pipeline keeps one row group.
-    "mma16": (lambda t: f"flash::MmaF16<{t}, 2>", 2, 128,
+    # allocation, not sm_8x's).
+    "mma16": (lambda t, mi: f"flash::MmaF16<{t}, {mi}>", lambda hd: 2, 128,
               lambda hd, full, arch: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
               else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 96 or full or (hd <= 128 and arch >= 90)
               else ((16, 4), (16, 2), (16, 1))),
     # Hopper (sm_90a): wgmma per warpgroup, 64 rows each, two warpgroups a block; K and V
     # fragments never enter registers, so S and O of 128 columns each fit beside P.
-    "wgmma": (lambda t: f"flash::MmaWgmma<{t}>", 1, 128,
+    "wgmma": (lambda t, mi: f"flash::MmaWgmma<{t}>", lambda hd: 1, 128,
               lambda hd, full, arch: ((128, 8), (64, 8)) if hd <= 128 and not full else ((64, 8), (64, 4))),
-    "tf32": (lambda t: "flash::MmaTf32", 1, 128, lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+    # float32: allow_tf32 rounds each operand to TF32 once; by default (float32 accuracy) each
+    # product is three TF32 products of the operands' high and low parts (3xTF32). One row
+    # group per warp: two spill beside the split fragments; 64-key tiles only where they fit
+    # (plain kernels at D <= 64: 1.5x SDPA-efficient against 1.4x with 32 on the H200).
+    "tf32": (lambda t, mi: f"flash::MmaTf32<false, {mi}>", lambda hd: 1, 128,
+             lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+    "tf32x3": (lambda t, mi: f"flash::MmaTf32<true, {mi}>", lambda hd: 1, 128,
+               lambda hd, full, arch: ((64, 4),) * (hd <= 64 and not full) + ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
     # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers;
     # the plain kernel at D <= 64 affords 32.
-    "dmma": (lambda t: "flash::MmaF64", 1, 128,
+    "dmma": (lambda t, mi: "flash::MmaF64", lambda hd: 1, 128,
              lambda hd, full, arch: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64 and not full
              else ((16, 4), (16, 2), (16, 1), (8, 1))),
-    "simt": (lambda t: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, 64,
+    "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", lambda hd: 1, 64,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
 }
 
@@ -73,7 +81,7 @@ class KernelSpec:
     @property
     def rows_per_warp(self) -> int:
         """16 * MI; the full pipeline's registers leave room for one row group only."""
-        return 16 * (1 if self.full else POLICIES[self.policy][1])
+        return 16 * (1 if self.full else POLICIES[self.policy][1](self.head_dim))
 
     @property
     def block_m(self) -> int:
@@ -90,7 +98,7 @@ class KernelSpec:
     @functools.cached_property
     def name_expression(self) -> str:
         t = CXX_TYPE[self.dtype]
-        policy = POLICIES[self.policy][0](t).replace(", 2>", f", {self.rows_per_warp // 16}>")
+        policy = POLICIES[self.policy][0](t, self.rows_per_warp // 16)
         full = "true" if self.full else "false"
         return (f"flash::flash_fwd<{t}, {policy}, {self.head_dim}, {self.dv_tile}, {self.block_n}, "
                 f"{self.num_warps}, {full}, {self.stages}>")
@@ -115,11 +123,12 @@ def head_dim_bucket(dim: int) -> int:
 
 
 def policy_for(dtype: str, arch: int, allow_tf32: bool, portable: bool) -> str:
-    """Which warp product: tensor cores on sm_80+ (TF32 only when allowed), else SIMT."""
+    """Which warp product: tensor cores on sm_80+ (float32 as three TF32 products per
+    product unless one is allowed), else SIMT."""
     if portable or arch < 80:
         return "simt"
     return {"float16": "mma16", "bfloat16": "mma16", "float64": "dmma"}.get(
-        dtype, "tf32" if allow_tf32 else "simt"
+        dtype, "tf32" if allow_tf32 else "tf32x3"
     )
 
 
@@ -222,7 +231,7 @@ class BackwardSpec:
 
     def _kernel(self, name: str, chunk: int, *extra: str, mi: int = 1) -> str:
         t = CXX_TYPE[self.dtype]
-        policy = POLICIES[self.policy][0](t).replace(", 2>", f", {mi}>")
+        policy = POLICIES[self.policy][0](t, mi)
         return f"flash::{name}<{', '.join((t, policy, str(self.head_dim), str(chunk), str(self.block_r), str(self.block_c)) + extra)}>"
 
     def _acc_kernel(self, name: str) -> str:
@@ -301,15 +310,25 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
         # per tile, or two key groups per warp (D <= 32), only where S and dP of that size
         # fit beside dK and dV without a spill (measured: bench/NOTES.md).
         tiles = ((128, 32, 2),) * (hd <= 32) + ((128, 64, 1),) * (hd <= 64 and not full) + ((128, 32, 1),) + tiles
-    if policy == "tf32":  # 32 streamed rows spill beside the TF32 fragments (ptxas, sm_80 and sm_90)
-        tiles = tuple(tile for tile in tiles if tile[1] != 32)
-    if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
-        tiles += ((16, 8, 1),)
     # dK and dV of a 128-wide chunk take 128 registers a thread; beside the full score
     # pipeline that spills at D > 128 (two chunks or more anyway), and on sm_80..sm_89 at
     # D = 128 as well (ptxas: 16 bytes; sm_90's allocation fits), so those take 64.
     narrow = full and (hd > 128 or (hd > 64 and arch < 90))
-    kv_chunk = min(hd, (64 if narrow else 128) if policy == "mma16" else 32 if wide else 64)
+    # 3xTF32 (plain kernels) takes the whole head up to D = 128 in one chunk, so S and dP are
+    # not recomputed per chunk (1.4x at D = 128 on the H200: bench/NOTES.md); with 32 keys a
+    # block, as 64 spill (ptxas, sm_80 and sm_90), as do the full score pipeline and the
+    # deterministic dQ's (sm_80 to sm_89) beside it.
+    x3_whole = policy == "tf32x3" and hd <= 128 and not full and not deterministic
+    kv_chunk = min(hd, (64 if narrow else 128) if policy == "mma16" else 32 if wide
+                   else 128 if x3_whole else 64)
+    if policy == "tf32" or (policy == "tf32x3" and hd > 64):
+        # 32 streamed rows spill beside the TF32 fragments (ptxas, sm_80 and sm_90); and
+        # 3xTF32 at D = 128 runs faster with 16 (H200: bench/NOTES.md)
+        tiles = tuple(tile for tile in tiles if tile[1] != 32)
+    if x3_whole and hd > 64:
+        tiles = tuple(tile for tile in tiles if tile[0] != 64)
+    if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
+        tiles += ((16, 8, 1),)
     dq_chunk = min(hd, 128) if policy == "mma16" else kv_chunk
     fused = not deterministic
     for block_r, block_c, mi in tiles:
