@@ -46,19 +46,22 @@ __device__ __forceinline__ Acc quad_fetch(const Acc (&tile)[4], int upper, int c
     return (col_in_tile & 1) ? odd : even;
 }
 
-// Policies whose second product reads P in the accumulator layout itself (one row group).
-template <typename Acc>
+// Policies whose second product reads P in the accumulator layout itself, for MI row groups
+// (store_p and load_pt, used with one).
+template <typename Acc, int MI = 1>
 struct PassP {
     static constexpr bool WARPGROUP = false;  // products per warp (see flash_wgmma.cuh)
     static constexpr int PV_N = 8;  // pv's output width comes in multiples of this
     using PElem = Acc;  // element of a P fragment parked in shared memory
-    template <int BN> using PFrag = Acc[1][BN / 8][4];
+    template <int BN> using PFrag = Acc[MI][BN / 8][4];
     template <int BN>
-    static __device__ __forceinline__ void pack_p(const Acc (&s)[1][BN / 8][4], Acc (&pf)[1][BN / 8][4]) {
+    static __device__ __forceinline__ void pack_p(const Acc (&s)[MI][BN / 8][4], Acc (&pf)[MI][BN / 8][4]) {
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) pf[0][n][e] = s[0][n][e];
+            for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pf[mi][n][e] = s[mi][n][e];
     }
 
     // The warp's fragment (16, BN) to shared memory, row-major with row pitch LDS.
@@ -333,20 +336,10 @@ __device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* p) {
 // 8-key tile (A column t is key 2t, column t + 4 key 2t + 1) so no shuffle is needed; V's
 // rows are read in the same order.
 template <bool SPLIT, int MI_>
-struct MmaTf32 : PassP<float> {
+struct MmaTf32 : PassP<float, MI_> {
     using Acc = float;
     using One = MmaTf32<SPLIT, 1>;
     static constexpr int MI = MI_;
-    template <int BN> using PFrag = float[MI][BN / 8][4];
-    template <int BN>
-    static __device__ __forceinline__ void pack_p(const float (&s)[MI][BN / 8][4], float (&pf)[MI][BN / 8][4]) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) pf[mi][n][e] = s[mi][n][e];
-    }
 
     template <int HD, int BN, int LDQ, int LDK, int K_UNROLL = 0>
     static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s)[MI][BN / 8][4]) {

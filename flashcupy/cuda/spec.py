@@ -23,37 +23,37 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 256, 512)
 CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 
 #: Per policy: the C++ policy for (element type, 16-row groups per warp), the row groups per
-#: warp of the plain kernels at a padded head dim (the full pipeline's registers leave room
-#: for one), the widest Dv chunk one block keeps in registers, and (BLOCK_N, NUM_WARPS)
-#: candidates for (padded head dim, full pipeline, compute capability) in order of
-#: preference: the first that fits the GPU's shared memory wins. Every choice compiles
-#: without register spills (tests/test_kernels_compile.py checks each architecture).
+#: warp of the plain kernels (the full pipeline's registers leave room for one), the widest
+#: Dv chunk one block keeps in registers, and (BLOCK_N, NUM_WARPS) candidates for (padded
+#: head dim, full pipeline, compute capability) in order of preference: the first that fits
+#: the GPU's shared memory wins. Every choice compiles without register spills
+#: (tests/test_kernels_compile.py checks each architecture).
 POLICIES = {
     # Two row groups per warp (plain kernels): O (32, DV) and S (32, BLOCK_N) share the
     # register file, so wide heads take narrow key tiles (32 keys at D=128 fits sm_90's
     # allocation, not sm_8x's).
-    "mma16": (lambda t, mi: f"flash::MmaF16<{t}, {mi}>", lambda hd: 2, 128,
+    "mma16": (lambda t, mi: f"flash::MmaF16<{t}, {mi}>", 2, 128,
               lambda hd, full, arch: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
               else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 96 or full or (hd <= 128 and arch >= 90)
               else ((16, 4), (16, 2), (16, 1))),
     # Hopper (sm_90a): wgmma per warpgroup, 64 rows each, two warpgroups a block; K and V
     # fragments never enter registers, so S and O of 128 columns each fit beside P.
-    "wgmma": (lambda t, mi: f"flash::MmaWgmma<{t}>", lambda hd: 1, 128,
+    "wgmma": (lambda t, mi: f"flash::MmaWgmma<{t}>", 1, 128,
               lambda hd, full, arch: ((128, 8), (64, 8)) if hd <= 128 and not full else ((64, 8), (64, 4))),
     # float32: allow_tf32 rounds each operand to TF32 once; by default (float32 accuracy) each
     # product is three TF32 products of the operands' high and low parts (3xTF32). One row
     # group per warp: two spill beside the split fragments; 64-key tiles only where they fit
     # (plain kernels at D <= 64: 1.5x SDPA-efficient against 1.4x with 32 on the H200).
-    "tf32": (lambda t, mi: f"flash::MmaTf32<false, {mi}>", lambda hd: 1, 128,
+    "tf32": (lambda t, mi: f"flash::MmaTf32<false, {mi}>", 1, 128,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
-    "tf32x3": (lambda t, mi: f"flash::MmaTf32<true, {mi}>", lambda hd: 1, 128,
+    "tf32x3": (lambda t, mi: f"flash::MmaTf32<true, {mi}>", 1, 128,
                lambda hd, full, arch: ((64, 4),) * (hd <= 64 and not full) + ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
     # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers;
     # the plain kernel at D <= 64 affords 32.
-    "dmma": (lambda t, mi: "flash::MmaF64", lambda hd: 1, 128,
+    "dmma": (lambda t, mi: "flash::MmaF64", 1, 128,
              lambda hd, full, arch: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64 and not full
              else ((16, 4), (16, 2), (16, 1), (8, 1))),
-    "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", lambda hd: 1, 64,
+    "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, 64,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
 }
 
@@ -81,7 +81,7 @@ class KernelSpec:
     @property
     def rows_per_warp(self) -> int:
         """16 * MI; the full pipeline's registers leave room for one row group only."""
-        return 16 * (1 if self.full else POLICIES[self.policy][1](self.head_dim))
+        return 16 * (1 if self.full else POLICIES[self.policy][1])
 
     @property
     def block_m(self) -> int:
