@@ -49,10 +49,12 @@ POLICIES = {
     "tf32x3": (lambda t, mi: f"flash::MmaTf32<true, {mi}>", 1, 128,
                lambda hd, full, arch: ((64, 4),) * (hd <= 64 and not full) + ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
     # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers;
-    # the plain kernel at D <= 64 affords 32.
+    # the plain kernel at D <= 64 affords 32. Up to D = 128, 8 warps (128 rows) a block halve
+    # the K and V each product reads from L2 (H200, D = 128: 1.6x SDPA-math at L = 4096
+    # against 1.45x with 4 warps; bench/NOTES.md).
     "dmma": (lambda t, mi: "flash::MmaF64", 1, 128,
              lambda hd, full, arch: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64 and not full
-             else ((16, 4), (16, 2), (16, 1), (8, 1))),
+             else ((16, 8),) * (hd <= 128) + ((16, 4), (16, 2), (16, 1), (8, 1))),
     "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, 64,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
 }
@@ -286,8 +288,8 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
                     portable: bool | None = None, deterministic: bool = False, full: bool = True) -> BackwardSpec:
     """The backward kernels for this problem on a GPU of compute capability ``arch``.
 
-    Gradient columns come in chunks (float16/bfloat16 on tensor cores: up to 128; float64:
-    32; otherwise 64) so that dK and dV (or dQ) stay in registers beside S and dP whatever
+    Gradient columns come in chunks (float16/bfloat16 on tensor cores and 3xTF32 without
+    options: up to 128; float64 without tensor cores or above D = 128: 32; otherwise 64) so that dK and dV (or dQ) stay in registers beside S and dP whatever
     the head dim. ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
     :func:`select_forward`. Raises NoKernelError when no tile fits.
     """
@@ -319,8 +321,13 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
     # block, as 64 spill (ptxas, sm_80 and sm_90), as do the full score pipeline and the
     # deterministic dQ's (sm_80 to sm_89) beside it.
     x3_whole = policy == "tf32x3" and hd <= 128 and not full and not deterministic
-    kv_chunk = min(hd, (64 if narrow else 128) if policy == "mma16" else 32 if wide
+    kv_chunk = min(hd, (64 if narrow else 128) if policy == "mma16" else 32 if wide and (policy == "simt" or hd > 128)
                    else 128 if x3_whole else 64)
+    # float64 on tensor cores: up to D = 128, 64-wide chunks (D = 128 in two, not four, so S
+    # and dP are recomputed half as often) fit without a spill in the kernel with the full
+    # score pipeline, not in the plain one (ptxas, sm_90), nor at D > 128; with one row group
+    # per warp in both, the plain kernel saves little else, so float64 always takes the full one.
+    full = full or policy == "dmma"
     if policy == "tf32" or (policy == "tf32x3" and hd > 64):
         # 32 streamed rows spill beside the TF32 fragments (ptxas, sm_80 and sm_90); and
         # 3xTF32 at D = 128 runs faster with 16 (H200: bench/NOTES.md)
