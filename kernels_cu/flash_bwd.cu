@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
     using Acc = typename Policy::Acc;
     static_assert(Policy::MI == 1, "one 16-row group per warp");
     constexpr int THREADS = BLOCK_R * 2;  // 16 rows per warp
-    constexpr int LD = HD + 16 / sizeof(T);
+    constexpr int LD = PaddedTile<T, 1, HD>::LD;  // rows padded as the forward's tiles
     constexpr int NT = BLOCK_C / 8, NC = CH / 8;
     const Params& p = bp.f;
 
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     constexpr int MI = Policy::MI;     // 16-key groups per warp
     static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
     constexpr int WARPS = BLOCK_R / (16 * MI), THREADS = 32 * WARPS;
-    constexpr int LD = HD + 16 / sizeof(T);
+    constexpr int LD = PaddedTile<T, 1, HD>::LD;  // rows padded as the forward's tiles
     constexpr int LDS = BLOCK_C + 16 / sizeof(PElem);  // dS^T row pitch: conflict-free ldmatrix rows
     constexpr int NT = BLOCK_C / 8, NC = CH / 8;
     // The dQ tile (BLOCK_C, CH) of one key tile: RG groups of 16 query rows, each split into

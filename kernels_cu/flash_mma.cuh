@@ -20,7 +20,7 @@
 // MmaF16   float16/bfloat16 on tensor cores: mma.sync m16n8k16 fed by ldmatrix (sm_80+)
 // MmaTf32  float32 on TF32 tensor cores: mma.sync m16n8k8 (sm_80+), three products per
 //          product (3xTF32, float32 accuracy) or, with allow_tf32, one
-// MmaF64   float64 on FP64 tensor cores: mma.sync m16n8k16 (sm_90; m8n8k4 on sm_80+)
+// MmaF64   float64 on FP64 tensor cores: mma.sync m16n8k8 and m16n8k16 (sm_90; as m8n8k4 before)
 // Simt     any dtype with FMA in the accumulator type (every architecture)
 #pragma once
 

@@ -289,8 +289,8 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     """The backward kernels for this problem on a GPU of compute capability ``arch``.
 
     Gradient columns come in chunks (float16/bfloat16 on tensor cores and 3xTF32 without
-    options: up to 128; float64 without tensor cores or above D = 128: 32; otherwise 64) so that dK and dV (or dQ) stay in registers beside S and dP whatever
-    the head dim. ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
+    options: up to 128; float64 without tensor cores or above D = 128: 32; otherwise 64) so
+    that dK and dV (or dQ) stay in registers beside S and dP whatever the head dim. ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
     :func:`select_forward`. Raises NoKernelError when no tile fits.
     """
     return _select_backward(dtype, d, dv, arch, smem_limit, allow_tf32,
@@ -321,8 +321,13 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
     # block, as 64 spill (ptxas, sm_80 and sm_90), as do the full score pipeline and the
     # deterministic dQ's (sm_80 to sm_89) beside it.
     x3_whole = policy == "tf32x3" and hd <= 128 and not full and not deterministic
-    kv_chunk = min(hd, (64 if narrow else 128) if policy == "mma16" else 32 if wide and (policy == "simt" or hd > 128)
-                   else 128 if x3_whole else 64)
+    if policy == "mma16":
+        kv_chunk = 64 if narrow else 128
+    elif wide and (policy == "simt" or hd > 128):
+        kv_chunk = 32
+    else:
+        kv_chunk = 128 if x3_whole else 64
+    kv_chunk = min(hd, kv_chunk)
     # float64 on tensor cores: up to D = 128, 64-wide chunks (D = 128 in two, not four, so S
     # and dP are recomputed half as often) fit without a spill in the kernel with the full
     # score pipeline, not in the plain one (ptxas, sm_90), nor at D > 128; with one row group
