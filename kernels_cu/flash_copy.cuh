@@ -50,19 +50,44 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Copies the 16-byte chunks [0, CHUNKS) of rows [0, ROWS) of a global matrix (row stride
+// `stride` elements) to shared memory, chunk c of row r at dst(r, c), zero-filling outside
+// (valid_rows, valid_cols). All THREADS threads call it. Where THREADS is a multiple of
+// CHUNKS, a thread copies the same chunk of every STEP-th row, STEP = THREADS / CHUNKS, in a
+// fully unrolled loop: no division, and addresses a fixed stride apart (per tile, these
+// copies are otherwise a large share of a Hopper kernel's instructions). float64 keeps the
+// rolled loop: its kernels are at the register limit, and the unrolled one spills there.
+template <typename T, int ROWS, int CHUNKS, int THREADS, typename Dst>
+__device__ __forceinline__ void copy_chunks(const T* gmem, i64 stride, int valid_rows, int valid_cols, Dst dst) {
+    constexpr int VEC = 16 / sizeof(T);
+    if constexpr (sizeof(T) < 8 && THREADS % CHUNKS == 0 && ROWS % (THREADS / CHUNKS) == 0) {
+        constexpr int STEP = THREADS / CHUNKS;
+        const int c = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
+        const bool col_valid = c * VEC < valid_cols;
+        const T* src = gmem + r0 * stride + c * VEC;
+#pragma unroll
+        for (int k = 0; k < ROWS / STEP; ++k) {
+            const bool valid = col_valid && r0 + k * STEP < valid_rows;
+            cp_async_16(dst(r0 + k * STEP, c), valid ? src + k * STEP * stride : gmem, valid);
+        }
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const bool valid = r < valid_rows && c * VEC < valid_cols;
+            cp_async_16(dst(r, c), valid ? gmem + r * stride + c * VEC : gmem, valid);
+        }
+    }
+}
+
 // Copy rows [0, ROWS) of a (rows, cols) global matrix with row stride `stride` (elements)
-// into shared memory, zero-filling outside (valid_rows, valid_cols). All threads call it.
+// into shared memory with row pitch LD, zero-filling outside (valid_rows, valid_cols).
 template <typename T, int ROWS, int COLS, int LD, int THREADS>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols) {
     constexpr int VEC = 16 / sizeof(T);
-    constexpr int CHUNKS = COLS / VEC;
     static_assert(COLS % VEC == 0, "tile width is a whole number of 16-byte chunks");
-#pragma unroll 4
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-        const int r = c / CHUNKS, col = (c % CHUNKS) * VEC;
-        const bool valid = r < valid_rows && col < valid_cols;
-        cp_async_16(smem + r * LD + col, valid ? gmem + r * stride + col : gmem, valid);
-    }
+    copy_chunks<T, ROWS, COLS / VEC, THREADS>(gmem, stride, valid_rows, valid_cols,
+                                              [smem](int r, int c) { return smem + r * LD + c * VEC; });
 }
 
 // A (ROWS, COLS) tile with rows padded by one 16-byte chunk (row pitch LD elements), so

@@ -26,7 +26,20 @@
 
 namespace flash {
 
-template <typename Acc> __device__ __forceinline__ Acc max_acc(Acc a, Acc b) { return a > b ? a : b; }
+// The larger of a and b. float: fmaxf, one FMNMX, NaN only if both are; a NaN score still
+// reaches its row's output (it skips the row max, but P = exp2(NaN - m) is NaN, and so are
+// l and O). double: a compare and select (NaN when b is), since fmax costs the float64
+// kernels registers they do not have (spills on sm_80 to sm_90).
+__device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_acc(double a, double b) { return a > b ? a : b; }
+
+template <typename Acc, int MI, int N>
+__device__ __forceinline__ void zero_acc(Acc (&acc)[MI][N][4]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int n = 0; n < N; ++n) acc[mi][n][0] = acc[mi][n][1] = acc[mi][n][2] = acc[mi][n][3] = Acc(0);
+}
 
 // The first key tile at or after j (below hi) that some score of rows [i0, i1) survives in.
 template <int BLOCK_N, bool FULL>
@@ -107,10 +120,11 @@ struct OnlineSoftmax {
     Acc (&l)[2 * MI];
 
     // Scores of keys [jt0, jt0 + 8 NP) (valid below jt1) from raw products sp, turned into
-    // P = exp2(S - m) in place (dropped elements 0) and folded into m, l and O: each row
-    // group's O is rescaled by alpha = exp2(m_old - m_new) right after its exponentials.
-    template <int NP, int NO>
-    __device__ __forceinline__ void fold(Acc (&sp)[MI][NP][4], const int jt0, const int jt1, Acc (&o)[MI][NO][4]) {
+    // P = exp2(S - m) in place (dropped elements 0) and folded into m and l; alpha =
+    // exp2(m_old - m_new) per row is what O has to be rescaled by (rescale).
+    template <int NP>
+    __device__ __forceinline__ void exponentiate(Acc (&sp)[MI][NP][4], const int jt0, const int jt1,
+                                                 Acc (&alpha)[2 * MI]) {
         Acc row_max[2 * MI];
 #pragma unroll
         for (int x = 0; x < 2 * MI; ++x) row_max[x] = neg_inf<Acc>();
@@ -146,7 +160,7 @@ struct OnlineSoftmax {
                         row_max[x] = max_acc(row_max[x], sp[mi][n][e]);
                     }
         }
-        Acc alpha[2 * MI], m_safe[2 * MI];
+        Acc m_safe[2 * MI];
 #pragma unroll
         for (int r = 0; r < 2 * MI; ++r) {  // the four lanes of a quad share rows: reduce across them
             row_max[r] = max_acc(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
@@ -155,7 +169,7 @@ struct OnlineSoftmax {
             // A row with every score so far masked has m = -inf; subtracting 0 instead keeps
             // exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
             m_safe[r] = m_new == neg_inf<Acc>() ? Acc(0) : m_new;
-            alpha[r] = fast_exp2(m[r] - m_safe[r]);  // rescales the old sum and accumulator
+            alpha[r] = softmax_exp2(m[r] - m_safe[r]);  // rescales the old sum and accumulator
             m[r] = m_new;
             l[r] *= alpha[r];
         }
@@ -176,19 +190,34 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int x = 2 * mi + (e >> 1);
-                    const Acc pe = fast_exp2(sp[mi][n][e] - m_safe[x]);  // P = exp2(S - m)
+                    const Acc pe = softmax_exp2(sp[mi][n][e] - m_safe[x]);  // P = exp2(S - m)
                     l[x] += pe;                                           // lse is taken before dropout
                     sp[mi][n][e] = (keep >> e) & 1u ? pe : Acc(0);  // dropped; 1 / (1 - p) is applied once at the end
                 }
             }
+        }
+    }
+
+    // O *= alpha, row by row.
+    template <int NO>
+    static __device__ __forceinline__ void rescale(Acc (&o)[MI][NO][4], const Acc (&alpha)[2 * MI]) {
 #pragma unroll
-            for (int n = 0; n < NO; ++n) {  // O *= alpha
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
                 o[mi][n][0] *= alpha[2 * mi];
                 o[mi][n][1] *= alpha[2 * mi];
                 o[mi][n][2] *= alpha[2 * mi + 1];
                 o[mi][n][3] *= alpha[2 * mi + 1];
             }
-        }
+    }
+
+    // exponentiate, then rescale O for the new maxima.
+    template <int NP, int NO>
+    __device__ __forceinline__ void fold(Acc (&sp)[MI][NP][4], const int jt0, const int jt1, Acc (&o)[MI][NO][4]) {
+        Acc alpha[2 * MI];
+        exponentiate(sp, jt0, jt1, alpha);
+        rescale(o, alpha);
     }
 };
 
@@ -264,10 +293,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
         m[x] = neg_inf<Acc>();
         l[x] = Acc(0);
     }
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int n = 0; n < NO; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = Acc(0);
+    zero_acc(o);
 
     // Pipeline, STAGES = 2: while key tile j is computed from one shared-memory stage, the
     // copies of the next live tile land in the other, and a stage is refilled with the tile
@@ -279,60 +305,118 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     // Key tiles start at multiples of BLOCK_N (keys before lo are masked by the band test):
     // dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned.
     int j0 = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, lo - lo % BLOCK_N, hi);
-    int j_pre = hi;  // STAGES = 2: the tile in flight to the other stage
-    if constexpr (STAGES == 2) {
-        if (j0 < hi) load_kv_tile<KTile, VTile, THREADS>(sK, sV, gK, gV, p, j0, hi, dv_load);
-        cp_async_commit();  // Q and the first tile
-        if (j0 < hi) j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
-        if (j_pre < hi)
-            load_kv_tile<KTile, VTile, THREADS>(sK + KTile::ELEMS, sV + VTile::ELEMS, gK, gV, p, j_pre, hi, dv_load);
-    } else if (j0 < hi) {
-        KTile::template load<THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, hi - j0, p.d);
-    }
-    cp_async_commit();
-    int stage = 0;
-    while (j0 < hi) {
-        const int j1 = min(j0 + BLOCK_N, hi);
-        const T* sKs = sK + stage * KTile::ELEMS;
-        const T* sVs = sV + stage * VTile::ELEMS;
+    // Hopper (FA3's overlap inside a warpgroup): S_next = Q K_next is issued before
+    // O += P V of the current tile, and S_next's softmax runs on the CUDA cores while the
+    // tensor cores compute P V; O is rescaled for S_next's maxima once P V has landed.
+    // It costs a second score buffer, S_next live beside P and O: with the full score
+    // pipeline at HD = 256 that spills, and those kernels take the loop below.
+    constexpr bool OVERLAP = WG && !(FULL && HD > 128);
+    if constexpr (OVERLAP) {
+        // Tile i's K and V sit in stage i % 2, but K runs a tile ahead of V: iteration i
+        // reads K_{i+1} and V_i, then refills their stages with K_{i+3} and V_{i+2}, so
+        // every copy has a whole iteration to land. One cp.async group per refill.
+        const int j1 = j0 < hi ? next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi) : hi;
+        if (j0 < hi) KTile::template load<THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, hi - j0, p.d);
+        cp_async_commit();  // Q and K_0
+        if (j1 < hi) KTile::template load<THREADS>(sK + KTile::ELEMS, gK + j1 * p.k_sr, p.k_sr, hi - j1, p.d);
+        if (j0 < hi) VTile::template load<THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, hi - j0, dv_load);
+        cp_async_commit();  // K_1 and V_0
+        typename Policy::template PFrag<BLOCK_N> pf;  // P of the current tile, O += P V's A operand
+        Acc s[MI][NT][4], alpha[2 * MI];
+        if (j0 < hi) {
+            wait_tiles<1, WG>();  // Q and K_0
+            zero_acc(s);
+            qk<Policy, BLOCK_M, HD, BLOCK_N, QTile, KTile>(sQ, warp, sK, s);  // S = Q K^T
+            softmax.exponentiate(s, j0, min(j0 + BLOCK_N, hi), alpha);        // O is still 0: no rescale
+            Policy::template pack_p<BLOCK_N>(s, pf);
+            __syncthreads();  // every warp is done with K_0: its stage takes K_2
+            int j_next = j1, j_after = j1 < hi ? next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j1 + BLOCK_N, hi) : hi;
+            if (j_after < hi) KTile::template load<THREADS>(sK, gK + j_after * p.k_sr, p.k_sr, hi - j_after, p.d);
+            if (j1 < hi) VTile::template load<THREADS>(sV + VTile::ELEMS, gV + j1 * p.v_sr, p.v_sr, hi - j1, dv_load);
+            cp_async_commit();
+            int stage = 0;  // of the current tile
+            while (j_next < hi) {
+                wait_tiles<1, WG>();  // K_next and V of the current tile have landed
+                zero_acc(s);
+                Policy::template qk_issue<BLOCK_M, HD, BLOCK_N>(sQ, sK + (stage ^ 1) * KTile::ELEMS, s);
+                Policy::template pv_issue<BLOCK_N, DV>(pf, sV + stage * VTile::ELEMS, o);  // O += P V
+                wgmma_wait<1>();  // S_next has landed; P V may still run
+                fence_regs(s[0]);
+                softmax.exponentiate(s, j_next, min(j_next + BLOCK_N, hi), alpha);
+                wgmma_wait<0>();
+                fence_regs(o[0]);
+                fence_regs(pf[0]);
+                softmax.rescale(o, alpha);
+                Policy::template pack_p<BLOCK_N>(s, pf);
+                __syncthreads();  // every warp is done with K_next and this V: refill both stages
+                const int j3 = j_after < hi ? next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j_after + BLOCK_N, hi) : hi;
+                if (j3 < hi)
+                    KTile::template load<THREADS>(sK + (stage ^ 1) * KTile::ELEMS, gK + j3 * p.k_sr, p.k_sr, hi - j3,
+                                                  p.d);
+                if (j_after < hi)
+                    VTile::template load<THREADS>(sV + stage * VTile::ELEMS, gV + j_after * p.v_sr, p.v_sr,
+                                                  hi - j_after, dv_load);
+                cp_async_commit();
+                j_next = j_after;
+                j_after = j3;
+                stage ^= 1;
+            }
+            wait_tiles<0, WG>();  // V of the last tile
+            pv<Policy, BLOCK_N, DV, VTile>(pf, sV + stage * VTile::ELEMS, o);
+        }
+    } else {
+        int j_pre = hi;  // STAGES = 2: the tile in flight to the other stage
         if constexpr (STAGES == 2) {
-            wait_tiles<1, WG>();  // every group but the newest has landed: Q and tile j0
-        } else {
-            wait_tiles<0, WG>();  // Q and K_j have landed; and every warp is done with V of the last tile
-            VTile::template load<THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_load);
-            cp_async_commit();
-        }
-
-        Acc s[MI][NT][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int n = 0; n < NT; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = Acc(0);
-        qk<Policy, BLOCK_M, HD, BLOCK_N, QTile, KTile>(sQ, warp, sKs, s);  // S = Q K^T
-        softmax.fold(s, j0, j1, o);
-        typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
-        Policy::template pack_p<BLOCK_N>(s, pf);
-        if constexpr (STAGES == 1) {  // the copy of V_j into the single stage has to land first
-            wait_tiles<0, WG>();      // ... and every warp be done reading K_j before K_next comes in
-            const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
-            if (j_next < hi) KTile::template load<THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, hi - j_next, p.d);
-            cp_async_commit();
-            pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
-            j0 = j_next;
-            continue;
-        }
-        pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
-        __syncthreads();  // every warp is done with this stage: refill it
-        const int j_next = j_pre;
-        if (j_pre < hi) {
-            j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j_pre + BLOCK_N, hi);
+            if (j0 < hi) load_kv_tile<KTile, VTile, THREADS>(sK, sV, gK, gV, p, j0, hi, dv_load);
+            cp_async_commit();  // Q and the first tile
+            if (j0 < hi) j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
             if (j_pre < hi)
-                load_kv_tile<KTile, VTile, THREADS>(sK + stage * KTile::ELEMS, sV + stage * VTile::ELEMS, gK, gV, p,
-                                                    j_pre, hi, dv_load);
+                load_kv_tile<KTile, VTile, THREADS>(sK + KTile::ELEMS, sV + VTile::ELEMS, gK, gV, p, j_pre, hi, dv_load);
+        } else if (j0 < hi) {
+            KTile::template load<THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, hi - j0, p.d);
         }
         cp_async_commit();
-        j0 = j_next;
-        stage ^= 1;
+        int stage = 0;
+        while (j0 < hi) {
+            const int j1 = min(j0 + BLOCK_N, hi);
+            const T* sKs = sK + stage * KTile::ELEMS;
+            const T* sVs = sV + stage * VTile::ELEMS;
+            if constexpr (STAGES == 2) {
+                wait_tiles<1, WG>();  // every group but the newest has landed: Q and tile j0
+            } else {
+                wait_tiles<0, WG>();  // Q and K_j have landed; and every warp is done with V of the last tile
+                VTile::template load<THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_load);
+                cp_async_commit();
+            }
+
+            Acc s[MI][NT][4];
+            zero_acc(s);
+            qk<Policy, BLOCK_M, HD, BLOCK_N, QTile, KTile>(sQ, warp, sKs, s);  // S = Q K^T
+            softmax.fold(s, j0, j1, o);
+            typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
+            Policy::template pack_p<BLOCK_N>(s, pf);
+            if constexpr (STAGES == 1) {  // the copy of V_j into the single stage has to land first
+                wait_tiles<0, WG>();      // ... and every warp be done reading K_j before K_next comes in
+                const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
+                if (j_next < hi) KTile::template load<THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, hi - j_next, p.d);
+                cp_async_commit();
+                pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
+                j0 = j_next;
+                continue;
+            }
+            pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
+            __syncthreads();  // every warp is done with this stage: refill it
+            const int j_next = j_pre;
+            if (j_pre < hi) {
+                j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j_pre + BLOCK_N, hi);
+                if (j_pre < hi)
+                    load_kv_tile<KTile, VTile, THREADS>(sK + stage * KTile::ELEMS, sV + stage * VTile::ELEMS, gK, gV, p,
+                                                        j_pre, hi, dv_load);
+            }
+            cp_async_commit();
+            j0 = j_next;
+            stage ^= 1;
+        }
     }
     cp_async_wait<0>();  // a block that attended no tile still waits for its Q copy
 

@@ -34,11 +34,10 @@ template <typename Acc> __device__ __forceinline__ Acc load_as(const void* p, i6
     }
 }
 
-__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
-__device__ __forceinline__ double fast_exp2(double x) { return exp2(x); }
-// exp2 of a score already reduced by its row's log-sum-exp (x <= 0 up to rounding): one
-// MUFU.EX2 (ex2.approx.ftz, ~2 ulp) instead of exp2f's denormal handling. Results below
-// 2^-126 flush to 0, far under any tolerance on a probability, and exp2(-inf) = 0.
+// exp2 of a score already reduced by its row's maximum or log-sum-exp (x <= 0 up to
+// rounding): one MUFU.EX2 (ex2.approx.ftz, ~2 ulp) instead of exp2f's denormal handling
+// (a compare and two predicated multiplies around it). Results below 2^-126 flush to 0, far
+// under any tolerance on a probability, and exp2(-inf) = 0.
 __device__ __forceinline__ float softmax_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

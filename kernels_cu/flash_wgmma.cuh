@@ -42,14 +42,9 @@ struct Sw128Tile {
     // outside (valid_rows, valid_cols), as cp.async 16-byte chunks. All threads call it.
     template <int THREADS>
     static __device__ __forceinline__ void load(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols) {
-        constexpr int CHUNKS = COLS / 8;
         unsigned char* base = reinterpret_cast<unsigned char*>(smem);
-#pragma unroll 4
-        for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-            const int r = c / CHUNKS, chunk = c % CHUNKS;
-            const bool valid = r < valid_rows && 8 * chunk < valid_cols;
-            cp_async_16(base + chunk_offset(r, chunk), valid ? gmem + r * stride + 8 * chunk : gmem, valid);
-        }
+        copy_chunks<T, ROWS, COLS / 8, THREADS>(gmem, stride, valid_rows, valid_cols,
+                                                [base](int r, int c) { return base + chunk_offset(r, c); });
     }
 };
 
@@ -167,14 +162,22 @@ struct MmaWgmma : MmaF16<T, 1> {
 
     // O (16 per warp, DV) += P V: P (16 per warp, KEYS) as m16n8k16 A fragments, V (KEYS, DV)
     // an Sw128 tile.
+    // A DV wider than 128 is multiplied in 128-column parts (two 64-column slabs each).
     template <int KEYS, int DV>
     static __device__ __forceinline__ void pv_issue(const u32 (&a)[1][KEYS / 16][4], const T* sV,
                                                     float (&o)[1][DV / 8][4]) {
+        constexpr int N = DV < 128 ? DV : 128;
+        static_assert(DV % N == 0, "whole 128-column parts");
         const u32 v0 = smem_addr(sV);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < KEYS / 16; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
-            Wgmma<T, DV>::rs(o[0], a[0][kk], sw128_desc(v0 + kk * 16 * 128, KEYS * 128, 1024));
+        for (int part = 0; part < DV / N; ++part) {
+            float(&o_part)[N / 8][4] = *reinterpret_cast<float(*)[N / 8][4]>(&o[0][part * N / 8]);
+            const u32 v_part = v0 + part * (N / 64) * (KEYS * 128);  // (N / 64) slabs of KEYS rows
+#pragma unroll
+            for (int kk = 0; kk < KEYS / 16; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
+                Wgmma<T, N>::rs(o_part, a[0][kk], sw128_desc(v_part + kk * 16 * 128, KEYS * 128, 1024));
+        }
         wgmma_commit();
     }
 };

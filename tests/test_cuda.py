@@ -83,6 +83,9 @@ def test_forward_matches_reference(case: Case) -> None:
 @pytest.mark.parametrize("dtype", [F16, BF16])
 @pytest.mark.parametrize("shape, options", [
     ((2, 3, 333, 290, 128, 128), {}),
+    ((2, 2, 300, 517, 64, 64), {"causal": True}),  # five key tiles: the overlapped pipeline's steady state
+    ((1, 1, 70, 129, 48, 64), {}),  # two key tiles, the second one key wide
+    ((1, 2, 200, 700, 128, 128), {"scale": -0.3}),  # a negative scale takes the general score path
     ((1, 2, 1, 77, 100, 112), {"causal": True}),
     ((2, 2, 290, 333, 256, 256), {"causal": "top_left"}),
     ((1, 3, 200, 200, 128, 64), {"window": (40, 7), "q_lengths": np.array([150]), "kv_lengths": np.array([171])}),

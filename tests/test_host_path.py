@@ -197,7 +197,7 @@ def test_kernel_selection_cache_matches_uncached_and_follows_the_portable_switch
                                 cached(dtype, d, d, arch, smem, tf32, portable, *extra)
                         else:
                             assert cached(dtype, d, d, arch, smem, tf32, portable, *extra) == want
-    assert S.select_forward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "mma16"
+    assert S.select_forward("float16", 64, 64, 80, S.ARCH_SMEM[80]).policy == "mma16"
     assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "mma16"
     assert S.select_forward("float16", 128, 128, 90, S.ARCH_SMEM[90]).policy == "wgmma"
     monkeypatch.setenv(S.FORCE_PORTABLE_ENV, "1")
@@ -308,7 +308,7 @@ def test_reused_parameter_blocks_give_the_results_of_fresh_ones(monkeypatch) -> 
 def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
     """wgmma (sm_90a) only on compute capability 9.0, only at head dims of whole 64-column
     slabs, and its tiles (swizzled, plus 1024 bytes of alignment slack) fit the GPU."""
-    for d in (97, 120, 128, 129, 256):
+    for d in (33, 64, 97, 120, 128, 129, 256):
         spec = S.select_forward(dtype, d, d, 90, S.ARCH_SMEM[90], full=full)
         assert spec.policy == "wgmma" and spec.head_dim in S.WGMMA_HEAD_DIMS
         assert spec.num_warps % 4 == 0 and spec.block_n % 64 == 0 and spec.dv_tile % 64 == 0
@@ -316,7 +316,7 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
                                               + spec.stages * spec.block_n * (spec.head_dim + spec.dv_tile))
         assert spec.smem_bytes <= S.ARCH_SMEM[90]
         assert "flash::MmaWgmma<" in spec.name_expression
-    for d, arch in ((32, 90), (64, 90), (96, 90), (512, 90), (128, 80), (128, 86), (128, 89)):
+    for d, arch in ((32, 90), (96, 90), (512, 90), (64, 80), (128, 80), (128, 86), (128, 89)):
         assert S.select_forward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full).policy == "mma16"
     assert S.select_forward("float32", 128, 128, 90, S.ARCH_SMEM[90]).policy == "tf32x3"
 

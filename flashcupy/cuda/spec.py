@@ -24,7 +24,7 @@ CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"
 
 #: Per policy: the C++ policy for (element type, 16-row groups per warp), the row groups per
 #: warp of the plain kernels (the full pipeline's registers leave room for one), the widest
-#: Dv chunk one block keeps in registers, and (BLOCK_N, NUM_WARPS) candidates for (padded
+#: Dv chunk one block keeps in registers (for full pipeline or not), and (BLOCK_N, NUM_WARPS) candidates for (padded
 #: head dim, full pipeline, compute capability) in order of preference: the first that fits
 #: the GPU's shared memory wins. Every choice compiles without register spills
 #: (tests/test_kernels_compile.py checks each architecture).
@@ -32,30 +32,32 @@ POLICIES = {
     # Two row groups per warp (plain kernels): O (32, DV) and S (32, BLOCK_N) share the
     # register file, so wide heads take narrow key tiles (32 keys at D=128 fits sm_90's
     # allocation, not sm_8x's).
-    "mma16": (lambda t, mi: f"flash::MmaF16<{t}, {mi}>", 2, 128,
+    "mma16": (lambda t, mi: f"flash::MmaF16<{t}, {mi}>", 2, lambda full: 128,
               lambda hd, full, arch: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
               else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 96 or full or (hd <= 128 and arch >= 90)
               else ((16, 4), (16, 2), (16, 1))),
     # Hopper (sm_90a): wgmma per warpgroup, 64 rows each, two warpgroups a block; K and V
-    # fragments never enter registers, so S and O of 128 columns each fit beside P.
-    "wgmma": (lambda t, mi: f"flash::MmaWgmma<{t}>", 1, 128,
+    # fragments never enter registers, so S and O of 128 columns each fit beside P and the
+    # next tile's S. Plain kernels keep a 256-wide O (no second pass over Q K^T at D = 256);
+    # with the full pipeline that spills.
+    "wgmma": (lambda t, mi: f"flash::MmaWgmma<{t}>", 1, lambda full: 128 if full else 256,
               lambda hd, full, arch: ((128, 8), (64, 8)) if hd <= 128 and not full else ((64, 8), (64, 4))),
     # float32: allow_tf32 rounds each operand to TF32 once; by default (float32 accuracy) each
     # product is three TF32 products of the operands' high and low parts (3xTF32). One row
     # group per warp: two spill beside the split fragments; 64-key tiles only where they fit
     # (plain kernels at D <= 64: 1.5x SDPA-efficient against 1.4x with 32 on the H200).
-    "tf32": (lambda t, mi: f"flash::MmaTf32<false, {mi}>", 1, 128,
+    "tf32": (lambda t, mi: f"flash::MmaTf32<false, {mi}>", 1, lambda full: 128,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
-    "tf32x3": (lambda t, mi: f"flash::MmaTf32<true, {mi}>", 1, 128,
+    "tf32x3": (lambda t, mi: f"flash::MmaTf32<true, {mi}>", 1, lambda full: 128,
                lambda hd, full, arch: ((64, 4),) * (hd <= 64 and not full) + ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
     # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers;
     # the plain kernel at D <= 64 affords 32. Up to D = 128, 8 warps (128 rows) a block halve
     # the K and V each product reads from L2 (H200, D = 128: 1.6x SDPA-math at L = 4096
     # against 1.45x with 4 warps; bench/NOTES.md).
-    "dmma": (lambda t, mi: "flash::MmaF64", 1, 128,
+    "dmma": (lambda t, mi: "flash::MmaF64", 1, lambda full: 128,
              lambda hd, full, arch: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64 and not full
              else ((16, 8),) * (hd <= 128) + ((16, 4), (16, 2), (16, 1), (8, 1))),
-    "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, 64,
+    "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, lambda full: 64,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
 }
 
@@ -135,9 +137,9 @@ def policy_for(dtype: str, arch: int, allow_tf32: bool, portable: bool) -> str:
 
 
 #: Padded head dims the wgmma forward takes (whole 64-column slabs of 128-byte swizzled
-#: rows). At 64, mma.sync's kernel with two stages stays faster (H200: 0.82x FA2 against
-#: 0.75x): see bench/NOTES.md.
-WGMMA_HEAD_DIMS = (128, 256)
+#: rows). Since the products overlap the softmax, 64 is faster on wgmma too (H200, L = 4096:
+#: 0.90x FA2 against mma.sync's 0.81x): see bench/NOTES.md.
+WGMMA_HEAD_DIMS = (64, 128, 256)
 
 
 def forward_policy(dtype: str, hd: int, arch: int, allow_tf32: bool, portable: bool) -> str:
@@ -176,7 +178,7 @@ def _select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     hd = head_dim_bucket(max(d, dv))
     policy = forward_policy(dtype, hd, arch, allow_tf32, portable)
     _, _, dv_cap, candidates = POLICIES[policy]
-    dv_tile = min(hd, dv_cap)
+    dv_tile = min(hd, dv_cap(full))
     for block_n, warps in candidates(hd, full, arch):
         # A second K/V stage hides copies behind a whole tile of compute; wider heads would
         # pay for it in blocks per SM (measured on the H200: see bench/NOTES.md).
