@@ -21,8 +21,10 @@ checked too; a SIMT spill is reported as a warning (visible in pytest's warnings
 summary) rather than failing the test. On failure, the assertion message holds the
 table of registers, stack frame and spills of every entry.
 
-The (family, architecture) pairs compile in parallel (two worker processes), started once
-per module for all the pairs selected, since each takes about a minute.
+The (family, architecture) pairs compile in parallel, started once per module for all the
+pairs selected, since each takes minutes on two cores: every pair's kernels in PARTS NVRTC
+programs (more, smaller jobs keep the workers busy to the end), on up to MAX_WORKERS worker
+processes, one per CPU core (each NVRTC process peaks near 2.5 GB).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ ARCHS = (75, 80, 86, 89, 90)
 TENSOR_CORE_POLICIES = ("mma16", "wgmma", "tf32", "tf32x3", "dmma")
 FAMILIES = ("forward", "backward")
 REQUIRE_ENV = "FLASHCUPY_REQUIRE_NVRTC"
-MAX_WORKERS = 2
+MAX_WORKERS = 4
+PARTS = 2
 
 _COMPILING = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)a?'")
 _PROPERTIES = re.compile(
@@ -182,23 +185,27 @@ def register_table(arch: int, rows: list[tuple]) -> str:
 
 @pytest.fixture(scope="module")
 def compiled(request):
-    """{(family, arch): future of compile_for_arch's log}, for every pair the session selected."""
+    """{(family, arch): futures of compile_for_arch's logs, one per part}, for every pair the
+    session selected."""
     problem = nvrtc_problem()
     if problem is not None:
         _unavailable(problem)
-    wanted = sorted(
-        {(item.callspec.params["family"], item.callspec.params["arch"]) for item in request.session.items
-         if item.module is request.module and hasattr(item, "callspec") and "arch" in item.callspec.params},
-        key=lambda fa: -len(kernels(*fa)),  # largest first: the two workers finish together
-    )
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(MAX_WORKERS, len(wanted) or 1)) as pool:
-        futures = {
-            (family, arch): pool.submit(compile_for_arch, family, [k.name_expression for k in kernels(family, arch)], arch)
-            for family, arch in wanted
-        }
+    wanted = {(item.callspec.params["family"], item.callspec.params["arch"]) for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec") and "arch" in item.callspec.params}
+    jobs = []  # (family, arch, names of one part)
+    for family, arch in wanted:
+        names = [k.name_expression for k in kernels(family, arch)]
+        jobs += [(family, arch, names[i::PARTS]) for i in range(PARTS) if names[i::PARTS]]
+    jobs.sort(key=lambda job: -len(job[2]))  # largest first: the workers finish together
+    workers = max(1, min(MAX_WORKERS, os.cpu_count() or 1, len(jobs)))
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
+        futures: dict[tuple[str, int], list] = {}
+        for family, arch, names in jobs:
+            futures.setdefault((family, arch), []).append(pool.submit(compile_for_arch, family, names, arch))
         yield futures
-        for future in futures.values():
-            future.cancel()
+        for parts in futures.values():
+            for future in parts:
+                future.cancel()
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=[f"sm_{a}" for a in ARCHS])
@@ -210,7 +217,7 @@ def test_kernels_compile_without_spills(compiled, family, arch):
     specs = kernels(family, arch)
     assert specs, f"no {family} kernels for sm_{arch}"
     if (family, arch) in compiled:
-        log = compiled[family, arch].result()  # KernelCompileError carries NVRTC's log
+        log = "\n".join(part.result() for part in compiled[family, arch])  # KernelCompileError carries NVRTC's log
     else:  # not among the items the fixture saw (another plugin's selection): compile here
         log = compile_for_arch(family, [s.name_expression for s in specs], arch)
 
