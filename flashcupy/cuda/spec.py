@@ -36,12 +36,14 @@ POLICIES = {
               lambda hd, full, arch: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
               else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 96 or full or (hd <= 128 and arch >= 90)
               else ((16, 4), (16, 2), (16, 1))),
-    # Hopper (sm_90a): wgmma per warpgroup, 64 rows each, two warpgroups a block; K and V
-    # fragments never enter registers, so S and O of 128 columns each fit beside P and the
-    # next tile's S. Plain kernels keep a 256-wide O (no second pass over Q K^T at D = 256);
-    # with the full pipeline that spills.
+    # Hopper (sm_90a): wgmma per warpgroup, 64 rows each; K and V fragments never enter
+    # registers, so S and O of 128 columns each fit beside P and the next tile's S. Plain
+    # kernels keep a 256-wide O (no second pass over Q K^T at D = 256); with the full
+    # pipeline that spills. Up to D = 128, plain kernels take one warpgroup and 64-key tiles:
+    # two or three blocks share an SM and hide each other's prologue, epilogue and softmax
+    # (H200, D = 64: 0.88-1.06x FA2 against 0.61-0.97x with 128 keys x 8 warps; bench/NOTES.md).
     "wgmma": (lambda t, mi: f"flash::MmaWgmma<{t}>", 1, lambda full: 128 if full else 256,
-              lambda hd, full, arch: ((128, 8), (64, 8)) if hd <= 128 and not full else ((64, 8), (64, 4))),
+              lambda hd, full, arch: ((64, 4), (128, 8)) if hd <= 128 and not full else ((64, 8), (64, 4))),
     # float32: allow_tf32 rounds each operand to TF32 once; by default (float32 accuracy) each
     # product is three TF32 products of the operands' high and low parts (3xTF32). One row
     # group per warp: two spill beside the split fragments; 64-key tiles only where they fit
