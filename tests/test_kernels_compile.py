@@ -1,10 +1,15 @@
 """Every forward and backward kernel specialisation compiles with NVRTC, without spills,
-for sm_75..sm_90.
+for sm_75..sm_90 (the portable SIMT kernels: for sm_75 and sm_90, see SIMT_ARCHS).
 
 No GPU is needed: NVRTC compiles to SASS for a named architecture (``compile_for_arch``)
 and ptxas' ``--verbose`` report gives each entry function's stack frame, spill stores,
 spill loads and registers. One test per (family, architecture) compiles every kernel of
-``all_forward_specs(arch)`` or ``all_backward_specs(arch)`` in a single NVRTC program.
+``all_forward_specs(arch)`` or ``all_backward_specs(arch)``.
+
+SIMT kernels are the only path before sm_80, and on sm_80+ run only when
+FLASHCUPY_FORCE_PORTABLE=1 forces them; their source takes one branch on every sm_80+
+architecture (cp.async), so they are compiled for sm_75 and sm_90 only: that halves CI's
+compile time, which is most of its 20 minutes.
 
 Requirements: ``pip install '.[nvrtc]'`` (cupy-cuda12x, nvidia-cuda-nvrtc-cu12 and
 nvidia-cuda-runtime-cu12, whose include/ folder holds cuda_fp16.h and friends; a CUDA
@@ -46,6 +51,7 @@ TENSOR_CORE_POLICIES = ("mma16", "wgmma", "tf32", "tf32x3", "dmma")
 FAMILIES = ("forward", "backward")
 REQUIRE_ENV = "FLASHCUPY_REQUIRE_NVRTC"
 MAX_WORKERS = 4
+SIMT_ARCHS = (75, 90)
 PARTS = 2
 
 _COMPILING = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)a?'")
@@ -137,17 +143,20 @@ class Kernel(NamedTuple):
 
 
 def kernels(family: str, arch: int) -> list[Kernel]:
-    """Every kernel the dispatcher can launch on ``arch`` for a source family."""
+    """Every kernel the dispatcher can launch on ``arch`` for a source family (SIMT ones only
+    for SIMT_ARCHS)."""
     from flashcupy.cuda.spec import all_backward_specs, all_forward_specs
 
     if family == "forward":
-        return [Kernel(s.name_expression, s.policy, "flash::Params") for s in all_forward_specs(arch)]
-    found = {}
-    for s in all_backward_specs(arch):
-        for name, _ in s.kernels:  # the delta kernel and the dQ converter have no matrix products
-            products = not name.startswith(("flash::flash_bwd_delta<", "flash::flash_bwd_dq_convert<"))
-            found[name] = Kernel(name, s.policy if products else "none", "flash::BwdParams")
-    return sorted(found.values())
+        found = [Kernel(s.name_expression, s.policy, "flash::Params") for s in all_forward_specs(arch)]
+    else:
+        unique = {}
+        for s in all_backward_specs(arch):
+            for name, _ in s.kernels:  # the delta kernel and the dQ converter have no matrix products
+                products = not name.startswith(("flash::flash_bwd_delta<", "flash::flash_bwd_dq_convert<"))
+                unique[name] = Kernel(name, s.policy if products else "none", "flash::BwdParams")
+        found = sorted(unique.values())
+    return [k for k in found if k.policy != "simt" or arch in SIMT_ARCHS]
 
 
 def match_entries(entries: list[dict], specs: list[Kernel]) -> list:
