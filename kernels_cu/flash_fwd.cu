@@ -33,14 +33,6 @@ namespace flash {
 __device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_acc(double a, double b) { return a > b ? a : b; }
 
-template <typename Acc, int MI, int N>
-__device__ __forceinline__ void zero_acc(Acc (&acc)[MI][N][4]) {
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int n = 0; n < N; ++n) acc[mi][n][0] = acc[mi][n][1] = acc[mi][n][2] = acc[mi][n][3] = Acc(0);
-}
-
 // The first key tile at or after j (below hi) that some score of rows [i0, i1) survives in.
 template <int BLOCK_N, bool FULL>
 __device__ __forceinline__ int next_live_tile(const Params& p, const HeadView& hv, int i0, int i1, int j, int hi) {
@@ -68,17 +60,9 @@ __device__ __forceinline__ void wait_tiles() {
     __syncthreads();
 }
 
-// Copies of key tile [j, j + BLOCK_N) of K and V (rows past hi zero-filled) into one stage.
-template <typename KTile, typename VTile, int THREADS, typename T>
-__device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const T* gK, const T* gV, const Params& p, int j, int hi,
-                                             int dv_load) {
-    KTile::template load<THREADS>(sK, gK + j * p.k_sr, p.k_sr, hi - j, p.d);  // rows past the tile are never read
-    VTile::template load<THREADS>(sV, gV + j * p.v_sr, p.v_sr, hi - j, dv_load);
-}
-
-// S = Q K^T for the calling warp's rows with the policy's own product: a warpgroup product
-// is issued, then waited for before its registers are read (splitting the tile to overlap
-// one part's softmax with another part's products measured slower: bench/NOTES.md).
+// S = Q K^T for the calling warp's rows with the policy's own product, ready to read: a
+// warpgroup product is issued and waited for at once (the overlapped Hopper loop in
+// flash_fwd issues and waits for its products itself).
 template <typename Policy, int BLOCK_M, int HD, int BLOCK_N, typename QTile, typename KTile, typename T, typename Acc,
           int MI>
 __device__ __forceinline__ void qk(const T* sQ, int warp, const T* sK, Acc (&s)[MI][BLOCK_N / 8][4]) {
@@ -305,6 +289,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     // Key tiles start at multiples of BLOCK_N (keys before lo are masked by the band test):
     // dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned.
     int j0 = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, lo - lo % BLOCK_N, hi);
+    // The live key tile after tile j, or hi when there is none (j >= hi included).
+    auto next_tile = [&](int j) { return j < hi ? next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j + BLOCK_N, hi) : hi; };
+    // Copies of key tile j of K or V into the tile at s (keys past hi zero-filled, nothing
+    // when j >= hi).
+    auto load_k = [&](T* s, int j) {
+        if (j < hi) KTile::template load<THREADS>(s, gK + j * p.k_sr, p.k_sr, hi - j, p.d);
+    };
+    auto load_v = [&](T* s, int j) {
+        if (j < hi) VTile::template load<THREADS>(s, gV + j * p.v_sr, p.v_sr, hi - j, dv_load);
+    };
     // Hopper (FA3's overlap inside a warpgroup): S_next = Q K_next is issued before
     // O += P V of the current tile, and S_next's softmax runs on the CUDA cores while the
     // tensor cores compute P V; O is rescaled for S_next's maxima once P V has landed.
@@ -315,11 +309,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
         // Tile i's K and V sit in stage i % 2, but K runs a tile ahead of V: iteration i
         // reads K_{i+1} and V_i, then refills their stages with K_{i+3} and V_{i+2}, so
         // every copy has a whole iteration to land. One cp.async group per refill.
-        const int j1 = j0 < hi ? next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi) : hi;
-        if (j0 < hi) KTile::template load<THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, hi - j0, p.d);
+        const int j1 = next_tile(j0);
+        load_k(sK, j0);
         cp_async_commit();  // Q and K_0
-        if (j1 < hi) KTile::template load<THREADS>(sK + KTile::ELEMS, gK + j1 * p.k_sr, p.k_sr, hi - j1, p.d);
-        if (j0 < hi) VTile::template load<THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, hi - j0, dv_load);
+        load_k(sK + KTile::ELEMS, j1);
+        load_v(sV, j0);
         cp_async_commit();  // K_1 and V_0
         typename Policy::template PFrag<BLOCK_N> pf;  // P of the current tile, O += P V's A operand
         Acc s[MI][NT][4], alpha[2 * MI];
@@ -330,9 +324,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
             softmax.exponentiate(s, j0, min(j0 + BLOCK_N, hi), alpha);        // O is still 0: no rescale
             Policy::template pack_p<BLOCK_N>(s, pf);
             __syncthreads();  // every warp is done with K_0: its stage takes K_2
-            int j_next = j1, j_after = j1 < hi ? next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j1 + BLOCK_N, hi) : hi;
-            if (j_after < hi) KTile::template load<THREADS>(sK, gK + j_after * p.k_sr, p.k_sr, hi - j_after, p.d);
-            if (j1 < hi) VTile::template load<THREADS>(sV + VTile::ELEMS, gV + j1 * p.v_sr, p.v_sr, hi - j1, dv_load);
+            int j_next = j1, j_after = next_tile(j1);
+            load_k(sK, j_after);
+            load_v(sV + VTile::ELEMS, j1);
             cp_async_commit();
             int stage = 0;  // of the current tile
             while (j_next < hi) {
@@ -349,13 +343,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
                 softmax.rescale(o, alpha);
                 Policy::template pack_p<BLOCK_N>(s, pf);
                 __syncthreads();  // every warp is done with K_next and this V: refill both stages
-                const int j3 = j_after < hi ? next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j_after + BLOCK_N, hi) : hi;
-                if (j3 < hi)
-                    KTile::template load<THREADS>(sK + (stage ^ 1) * KTile::ELEMS, gK + j3 * p.k_sr, p.k_sr, hi - j3,
-                                                  p.d);
-                if (j_after < hi)
-                    VTile::template load<THREADS>(sV + stage * VTile::ELEMS, gV + j_after * p.v_sr, p.v_sr,
-                                                  hi - j_after, dv_load);
+                const int j3 = next_tile(j_after);
+                load_k(sK + (stage ^ 1) * KTile::ELEMS, j3);
+                load_v(sV + stage * VTile::ELEMS, j_after);
                 cp_async_commit();
                 j_next = j_after;
                 j_after = j3;
@@ -367,13 +357,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     } else {
         int j_pre = hi;  // STAGES = 2: the tile in flight to the other stage
         if constexpr (STAGES == 2) {
-            if (j0 < hi) load_kv_tile<KTile, VTile, THREADS>(sK, sV, gK, gV, p, j0, hi, dv_load);
+            load_k(sK, j0);
+            load_v(sV, j0);
             cp_async_commit();  // Q and the first tile
-            if (j0 < hi) j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
-            if (j_pre < hi)
-                load_kv_tile<KTile, VTile, THREADS>(sK + KTile::ELEMS, sV + VTile::ELEMS, gK, gV, p, j_pre, hi, dv_load);
-        } else if (j0 < hi) {
-            KTile::template load<THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, hi - j0, p.d);
+            j_pre = next_tile(j0);
+            load_k(sK + KTile::ELEMS, j_pre);
+            load_v(sV + VTile::ELEMS, j_pre);
+        } else {
+            load_k(sK, j0);
         }
         cp_async_commit();
         int stage = 0;
@@ -385,7 +376,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
                 wait_tiles<1, WG>();  // every group but the newest has landed: Q and tile j0
             } else {
                 wait_tiles<0, WG>();  // Q and K_j have landed; and every warp is done with V of the last tile
-                VTile::template load<THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, dv_load);
+                load_v(sV, j0);
                 cp_async_commit();
             }
 
@@ -397,8 +388,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
             Policy::template pack_p<BLOCK_N>(s, pf);
             if constexpr (STAGES == 1) {  // the copy of V_j into the single stage has to land first
                 wait_tiles<0, WG>();      // ... and every warp be done reading K_j before K_next comes in
-                const int j_next = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j0 + BLOCK_N, hi);
-                if (j_next < hi) KTile::template load<THREADS>(sK, gK + j_next * p.k_sr, p.k_sr, hi - j_next, p.d);
+                const int j_next = next_tile(j0);
+                load_k(sK, j_next);
                 cp_async_commit();
                 pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
                 j0 = j_next;
@@ -407,12 +398,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
             pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
             __syncthreads();  // every warp is done with this stage: refill it
             const int j_next = j_pre;
-            if (j_pre < hi) {
-                j_pre = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, j_pre + BLOCK_N, hi);
-                if (j_pre < hi)
-                    load_kv_tile<KTile, VTile, THREADS>(sK + stage * KTile::ELEMS, sV + stage * VTile::ELEMS, gK, gV, p,
-                                                        j_pre, hi, dv_load);
-            }
+            j_pre = next_tile(j_pre);
+            load_k(sK + stage * KTile::ELEMS, j_pre);
+            load_v(sV + stage * VTile::ELEMS, j_pre);
             cp_async_commit();
             j0 = j_next;
             stage ^= 1;

@@ -46,6 +46,15 @@ __device__ __forceinline__ Acc quad_fetch(const Acc (&tile)[4], int upper, int c
     return (col_in_tile & 1) ? odd : even;
 }
 
+// Zeroes MI row groups of N (16, 8) accumulator tiles.
+template <typename Acc, int MI, int N>
+__device__ __forceinline__ void zero_acc(Acc (&acc)[MI][N][4]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int n = 0; n < N; ++n) acc[mi][n][0] = acc[mi][n][1] = acc[mi][n][2] = acc[mi][n][3] = Acc(0);
+}
+
 // Policies whose second product reads P in the accumulator layout itself, for MI row groups
 // (store_p and load_pt, used with one).
 template <typename Acc, int MI = 1>
@@ -396,10 +405,7 @@ struct MmaTf32 : PassP<float, MI_> {
 #pragma unroll
         for (int n0 = 0; n0 < NT; n0 += NG) {
             float acc[MI][NG][4];
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int n = 0; n < NG; ++n) acc[mi][n][0] = acc[mi][n][1] = acc[mi][n][2] = acc[mi][n][3] = 0.0f;
+            zero_acc(acc);
 #pragma unroll
             for (int k8 = 0; k8 < BN / 8; ++k8) {
                 Tf32Frag<SPLIT, 4> a[MI];  // P (16, 8): (g, key 2t), (g + 8, key 2t), (g, key 2t + 1), (g + 8, key 2t + 1)

@@ -161,8 +161,7 @@ struct MmaWgmma : MmaF16<T, 1> {
     }
 
     // O (16 per warp, DV) += P V: P (16 per warp, KEYS) as m16n8k16 A fragments, V (KEYS, DV)
-    // an Sw128 tile.
-    // A DV wider than 128 is multiplied in 128-column parts (two 64-column slabs each).
+    // an Sw128 tile; a DV wider than 128 in 128-column parts (two 64-column slabs each).
     template <int KEYS, int DV>
     static __device__ __forceinline__ void pv_issue(const u32 (&a)[1][KEYS / 16][4], const T* sV,
                                                     float (&o)[1][DV / 8][4]) {

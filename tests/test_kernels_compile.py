@@ -8,8 +8,8 @@ spill loads and registers. One test per (family, architecture) compiles every ke
 
 SIMT kernels are the only path before sm_80, and on sm_80+ run only when
 FLASHCUPY_FORCE_PORTABLE=1 forces them; their source takes one branch on every sm_80+
-architecture (cp.async), so they are compiled for sm_75 and sm_90 only: that halves CI's
-compile time, which is most of its 20 minutes.
+architecture (cp.async), so they are compiled for sm_75 and sm_90 only: 1117 kernels
+instead of about 1600, a third less of CI's compile time, which is most of its 20 minutes.
 
 Requirements: ``pip install '.[nvrtc]'`` (cupy-cuda12x, nvidia-cuda-nvrtc-cu12 and
 nvidia-cuda-runtime-cu12, whose include/ folder holds cuda_fp16.h and friends; a CUDA

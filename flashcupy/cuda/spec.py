@@ -24,10 +24,10 @@ CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"
 
 #: Per policy: the C++ policy for (element type, 16-row groups per warp), the row groups per
 #: warp of the plain kernels (the full pipeline's registers leave room for one), the widest
-#: Dv chunk one block keeps in registers (for full pipeline or not), and (BLOCK_N, NUM_WARPS) candidates for (padded
-#: head dim, full pipeline, compute capability) in order of preference: the first that fits
-#: the GPU's shared memory wins. Every choice compiles without register spills
-#: (tests/test_kernels_compile.py checks each architecture).
+#: Dv chunk one block keeps in registers (for full pipeline or not), and (BLOCK_N,
+#: NUM_WARPS) candidates for (padded head dim, full pipeline, compute capability) in order
+#: of preference: the first that fits the GPU's shared memory wins. Every choice compiles
+#: without register spills (tests/test_kernels_compile.py checks each architecture).
 POLICIES = {
     # Two row groups per warp (plain kernels): O (32, DV) and S (32, BLOCK_N) share the
     # register file, so wide heads take narrow key tiles (32 keys at D=128 fits sm_90's
@@ -294,7 +294,8 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
 
     Gradient columns come in chunks (float16/bfloat16 on tensor cores and 3xTF32 without
     options: up to 128; float64 without tensor cores or above D = 128: 32; otherwise 64) so
-    that dK and dV (or dQ) stay in registers beside S and dP whatever the head dim. ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
+    that dK and dV (or dQ) stay in registers beside S and dP whatever the head dim.
+    ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
     :func:`select_forward`. Raises NoKernelError when no tile fits.
     """
     return _select_backward(dtype, d, dv, arch, smem_limit, allow_tf32,
