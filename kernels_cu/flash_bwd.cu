@@ -20,6 +20,7 @@
 #include "flash_copy.cuh"
 #include "flash_mma.cuh"
 #include "flash_score.cuh"
+#include "flash_wgmma.cuh"
 #include "philox.cuh"
 
 namespace flash {
@@ -52,6 +53,25 @@ __device__ __forceinline__ void acc_atomic_add2(double* address, double a, doubl
 // The most column slices, at most `most`, that split `width` into multiples of `align`.
 __host__ __device__ constexpr int dq_slices(int most, int width, int align) {
     return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
+}
+
+// A dQ tile's share of this thread, rows row0 + g and row0 + g + 8 (those below i1) and
+// the accumulator layout's column pairs (2t, 2t + 1) of N tiles from column col, added
+// into gdQa (row stride sr) by atomics. d_true is even or the pair's second column is
+// padding of the accumulator (its row stride is the padded width, even).
+template <typename Acc, int N>
+__device__ __forceinline__ void add_dq_tile(Acc* gdQa, i64 sr, const Acc (&dq)[1][N][4], int row0, int i1, int col,
+                                            int d_true) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const int i = row0 + g + 8 * x;
+        if (i >= i1) continue;
+        Acc* row = gdQa + i * sr + col + 2 * t;
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+            if (col + 8 * n + 2 * t < d_true) acc_atomic_add2(row + 8 * n, dq[0][n][2 * x], dq[0][n][2 * x + 1]);
+    }
 }
 
 // Offset of row `row` of head h of batch b in a (batch, head, row) operand with element
@@ -237,16 +257,29 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
 // Otherwise flash_bwd_dq computes dQ on its own, in a fixed order. STAGES (1 or 2): shared-
 // memory stages of the streamed Q, dO and statistics; with two, the next tile's copies run
 // during the current tile's products.
+// Warpgroup policies (Hopper's wgmma, flash_wgmma.cuh): each warpgroup owns 64 keys and
+// multiplies them at once from swizzled tiles: S^T and dP^T with K and V as A operands
+// from shared memory, dV and dK with P'^T and dS^T as A operands from registers; dS^T goes
+// to shared memory, and warpgroup w computes the dQ tile's columns [w NQ, (w + 1) NQ) over
+// all the block's keys. Every product covers the whole head (CH = HD), over 64-query tiles
+// (dQ's 64 rows).
 template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C, bool FUSED_DQ, int STAGES, bool FULL>
 __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(const BwdParams bp) {
     using Acc = typename Policy::Acc;
     using PElem = typename Policy::PElem;
     using One = typename Policy::One;  // the policy with one row group: the dQ product's
     constexpr int MI = Policy::MI;     // 16-key groups per warp
+    constexpr bool WG = Policy::WARPGROUP;
     static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
     constexpr int WARPS = BLOCK_R / (16 * MI), THREADS = 32 * WARPS;
+    static_assert(!WG || (FUSED_DQ && CH == HD && BLOCK_R % 64 == 0 && BLOCK_C == 64),
+                  "warpgroups of 64 keys, the whole head, 64-query tiles, dQ fused");
+    using KTile = typename TileKind<WG>::template type<T, BLOCK_R, HD>;
+    using QTile = typename TileKind<WG>::template type<T, BLOCK_C, HD>;
     constexpr int LD = PaddedTile<T, 1, HD>::LD;  // rows padded as the forward's tiles
     constexpr int LDS = BLOCK_C + 16 / sizeof(PElem);  // dS^T row pitch: conflict-free ldmatrix rows
+    // dS^T (BLOCK_R, BLOCK_C) for the fused dQ: swizzled, or rows padded to LDS
+    constexpr int DS_ELEMS = !FUSED_DQ ? 0 : WG ? BLOCK_R * BLOCK_C : BLOCK_R * LDS;
     constexpr int NT = BLOCK_C / 8, NC = CH / 8;
     // The dQ tile (BLOCK_C, CH) of one key tile: RG groups of 16 query rows, each split into
     // WPR column slices of NQ (a multiple of the policy's product width), one (group, slice)
@@ -258,13 +291,13 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     const Params& p = bp.f;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    T* sK = reinterpret_cast<T*>(smem);     // (BLOCK_R, HD) this block's keys
-    T* sV = sK + BLOCK_R * LD;              // (BLOCK_R, HD)
-    T* sQ = sV + BLOCK_R * LD;              // STAGES x (BLOCK_C, HD) streamed queries
-    T* sdO = sQ + STAGES * BLOCK_C * LD;    // STAGES x (BLOCK_C, HD)
-    PElem* sdS = reinterpret_cast<PElem*>(sdO + STAGES * BLOCK_C * LD);  // (BLOCK_R, BLOCK_C): dS^T, FUSED_DQ
-    Acc* sLse = reinterpret_cast<Acc*>(sdS + (FUSED_DQ ? BLOCK_R * LDS : 0));  // STAGES x (BLOCK_C) lse2
-    Acc* sDelta = sLse + STAGES * BLOCK_C;                                    // STAGES x (BLOCK_C) D
+    T* sK = reinterpret_cast<T*>(tiles_base<WG>(smem));  // (BLOCK_R, HD) this block's keys
+    T* sV = sK + KTile::ELEMS;                           // (BLOCK_R, HD)
+    T* sQ = sV + KTile::ELEMS;                           // STAGES x (BLOCK_C, HD) streamed queries
+    T* sdO = sQ + STAGES * QTile::ELEMS;                 // STAGES x (BLOCK_C, HD)
+    PElem* sdS = reinterpret_cast<PElem*>(sdO + STAGES * QTile::ELEMS);  // (BLOCK_R, BLOCK_C): dS^T, FUSED_DQ
+    Acc* sLse = reinterpret_cast<Acc*>(sdS + DS_ELEMS);                  // STAGES x (BLOCK_C) lse2
+    Acc* sDelta = sLse + STAGES * BLOCK_C;                               // STAGES x (BLOCK_C) D
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n_blocks = (p.lk + BLOCK_R - 1) / BLOCK_R;
@@ -283,8 +316,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     const i64 k_row0 = packed ? hv0.k_start + j0 : j0;
     const T* gK = static_cast<const T*>(p.k) + row_offset(packed, b, hk, k_row0, p.k_sb, p.k_sh, p.k_sr);
     const T* gV = static_cast<const T*>(p.v) + row_offset(packed, b, hk, k_row0, p.v_sb, p.v_sh, p.v_sr);
-    load_tile<T, BLOCK_R, HD, LD, THREADS>(sK, gK, p.k_sr, keys_valid, p.d);
-    load_tile<T, BLOCK_R, HD, LD, THREADS>(sV, gV, p.v_sr, keys_valid, p.dv_stored);
+    KTile::template load<THREADS>(sK, gK, p.k_sr, keys_valid, p.d);
+    KTile::template load<THREADS>(sV, gV, p.v_sr, keys_valid, p.dv_stored);
     cp_async_commit();
 
     // Queries [i_lo, i_hi) that may attend some key of [j0, j0 + keys_valid): key_range inverted.
@@ -318,8 +351,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         const T* gQ = static_cast<const T*>(p.q) + row_offset(packed, hv.b, hv.h, q_row0, p.q_sb, p.q_sh, p.q_sr);
         const T* gdO = static_cast<const T*>(bp.dout)
                        + row_offset(packed, hv.b, hv.h, q_row0, bp.do_sb, bp.do_sh, bp.do_sr);
-        load_tile<T, BLOCK_C, HD, LD, THREADS>(sQ + st * BLOCK_C * LD, gQ, p.q_sr, rows, p.d);
-        load_tile<T, BLOCK_C, HD, LD, THREADS>(sdO + st * BLOCK_C * LD, gdO, bp.do_sr, rows, p.dv_stored);
+        QTile::template load<THREADS>(sQ + st * QTile::ELEMS, gQ, p.q_sr, rows, p.d);
+        QTile::template load<THREADS>(sdO + st * QTile::ELEMS, gdO, bp.do_sr, rows, p.dv_stored);
         const i64 stat = row_offset(packed, hv.b, hv.h, q_row0, p.lse_sb, p.lse_sh, 1);
         for (int c = threadIdx.x; c < BLOCK_C; c += THREADS) {
             const bool valid = c < rows;
@@ -331,12 +364,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
 
     const int r0 = j0 + 16 * MI * warp + g;  // this thread's keys: r0 + 16 mi and r0 + 16 mi + 8
     Acc dk[MI][NC][4], dv[MI][NC][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int n = 0; n < NC; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dk[mi][n][e] = dv[mi][n][e] = Acc(0);
+    zero_acc(dk);
+    zero_acc(dv);
     const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
 
     int hq = 0, i0 = i_first, st = 0;
@@ -345,8 +374,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     while (hq < group) {
         int next_hq = hq, next_i0 = i0 + BLOCK_C;
         advance(next_hq, next_i0);
-        cp_async_wait<0>();
-        __syncthreads();  // tile (hq, i0) has landed; every warp is done with the other stage and sdS
+        wait_tiles<0, WG>();  // tile (hq, i0) has landed; every warp is done with the other stage and sdS
         if (STAGES == 2 && next_hq < group) load_queries(next_hq, next_i0, st ^ 1);
 
         const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
@@ -354,22 +382,26 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         const bool plain = !FULL || (!p.has_softcap && score.bias == nullptr && p.alibi == nullptr
                                      && score.mask == nullptr && score.block_mask == nullptr);
         const int i1 = min(i0 + BLOCK_C, i_hi);
-        const T* sQt = sQ + st * BLOCK_C * LD;
-        const T* sdOt = sdO + st * BLOCK_C * LD;
+        const T* sQt = sQ + st * QTile::ELEMS;
+        const T* sdOt = sdO + st * QTile::ELEMS;
         const Acc* sLset = sLse + st * BLOCK_C;
         const Acc* sDeltat = sDelta + st * BLOCK_C;
 
         Acc s_t[MI][NT][4], dp_t[MI][NT][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s_t[mi][n][e] = dp_t[mi][n][e] = Acc(0);
-        // Two row groups keep dK and dV for 32 keys live: unroll two k-steps, not all.
-        constexpr int K_UNROLL = MI == 2 ? 2 : 0;
-        Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sK + 16 * MI * warp * LD, sQt, s_t);    // S^T = K Q^T
-        Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sV + 16 * MI * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
+        zero_acc(s_t);
+        zero_acc(dp_t);
+        if constexpr (WG) {
+            Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sK, sQt, s_t);    // S^T = K Q^T
+            Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
+            wgmma_wait<0>();
+            fence_regs(s_t[0]);
+            fence_regs(dp_t[0]);
+        } else {
+            // Two row groups keep dK and dV for 32 keys live: unroll two k-steps, not all.
+            constexpr int K_UNROLL = MI == 2 ? 2 : 0;
+            Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sK + 16 * MI * warp * LD, sQt, s_t);    // S^T = K Q^T
+            Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sV + 16 * MI * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
+        }
         // Full tile: BLOCK_C queries and BLOCK_R keys, tested on the unclamped ends. CUDA 13's
         // NVRTC folded `keys_valid == BLOCK_R` (keys_valid = max(0, min(BLOCK_R, n))) to true
         // with one key: the padding keys then took the fast path, P = exp2(0 - lse2) overflowed
@@ -431,40 +463,53 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
             probabilities(true);
         else
             probabilities(false);
-        typename Policy::template PFrag<BLOCK_C> pf;
-        Policy::template pack_p<BLOCK_C>(s_t, pf);
-        Policy::template pv<BLOCK_C, CH, LD>(pf, sdOt + c0, dv);  // dV += P'^T dO
-        Policy::template pack_p<BLOCK_C>(dp_t, pf);
-        Policy::template pv<BLOCK_C, CH, LD>(pf, sQt + c0, dk);   // dK += dS^T Q
-        if constexpr (FUSED_DQ) {
-            Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * MI * warp * LDS);
+        // dQ's accumulator rows of this head (FUSED_DQ)
+        Acc* gdQa = FUSED_DQ ? static_cast<Acc*>(bp.dq_accum) + (packed ? hv.q_start * bp.dqa_sr : hv.b * bp.dqa_sb)
+                                   + hv.h * bp.dqa_sh
+                             : nullptr;
+        if constexpr (WG) {
+            typename Policy::template PFrag<BLOCK_C> pf, dsf;
+            Policy::template pack_p<BLOCK_C>(s_t, pf);
+            Policy::template pack_p<BLOCK_C>(dp_t, dsf);
+            Policy::template pv_issue<BLOCK_C, CH>(pf, sdOt, dv);  // dV += P'^T dO
+            Policy::template pv_issue<BLOCK_C, CH>(dsf, sQt, dk);  // dK += dS^T Q
+            Policy::template store_p_swizzled<BLOCK_R, BLOCK_C>(dsf, sdS);
+            fence_proxy_async();
             __syncthreads();  // dS^T of every key of the block is in sdS
-            const i64 dqa = (packed ? hv.q_start * bp.dqa_sr : hv.b * bp.dqa_sb) + hv.h * bp.dqa_sh;
-            for (int task = warp; task < RG * WPR; task += WARPS) {
-                const int rg = task / WPR, n0 = (task - rg * WPR) * NQ;
-                Acc dq[1][NQ / 8][4];
+            constexpr int NQW = HD / (WARPS / 4);  // dQ columns per warpgroup
+            const int col0 = (warp / 4) * NQW;
+            Acc dq[1][NQW / 8][4];
+            zero_acc(dq);
+            Policy::template mn_issue<BLOCK_R, NQW>(sdS, sK, col0, dq);  // dQ_tile = dS K
+            wgmma_wait<0>();
+            fence_regs(dv[0]);
+            fence_regs(dk[0]);
+            fence_regs(dq[0]);
+            fence_regs(pf[0]);
+            fence_regs(dsf[0]);
+            add_dq_tile(gdQa, bp.dqa_sr, dq, i0 + 16 * (warp % 4), i1, col0, bp.d_true);
+        } else {
+            typename Policy::template PFrag<BLOCK_C> pf;
+            Policy::template pack_p<BLOCK_C>(s_t, pf);
+            Policy::template pv<BLOCK_C, CH, LD>(pf, sdOt + c0, dv);  // dV += P'^T dO
+            Policy::template pack_p<BLOCK_C>(dp_t, pf);
+            Policy::template pv<BLOCK_C, CH, LD>(pf, sQt + c0, dk);   // dK += dS^T Q
+            if constexpr (FUSED_DQ) {
+                Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * MI * warp * LDS);
+                __syncthreads();  // dS^T of every key of the block is in sdS
+                for (int task = warp; task < RG * WPR; task += WARPS) {
+                    const int rg = task / WPR, n0 = (task - rg * WPR) * NQ;
+                    Acc dq[1][NQ / 8][4];
+                    zero_acc(dq);
+                    // dQ_tile = dS K, over the block's keys KC at a time (fewer live fragments)
+                    constexpr int KC = BLOCK_R % 32 == 0 ? 32 : 16;
 #pragma unroll
-                for (int n = 0; n < NQ / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) dq[0][n][e] = Acc(0);
-                // dQ_tile = dS K, over the block's keys KC at a time (fewer live fragments)
-                constexpr int KC = BLOCK_R % 32 == 0 ? 32 : 16;
-#pragma unroll
-                for (int k0 = 0; k0 < BLOCK_R; k0 += KC) {
-                    typename One::template PFrag<KC> ds;
-                    One::template load_pt<KC, LDS>(sdS + k0 * LDS + 16 * rg, ds);  // dS (16 queries, KC keys)
-                    One::template pv<KC, NQ, LD>(ds, sK + k0 * LD + c0 + n0, dq);
-                }
-                // Column pairs (2t, 2t + 1): d_true is even or the pair's second column is
-                // padding of the accumulator (its row stride is the padded width, even).
-#pragma unroll
-                for (int x = 0; x < 2; ++x) {
-                    const int i = i0 + 16 * rg + g + 8 * x;
-                    if (i >= i1) continue;
-                    Acc* row = static_cast<Acc*>(bp.dq_accum) + dqa + i * bp.dqa_sr + c0 + n0 + 2 * t;
-#pragma unroll
-                    for (int n = 0; n < NQ / 8; ++n)
-                        if (c0 + n0 + 8 * n + 2 * t < bp.d_true) acc_atomic_add2(row + 8 * n, dq[0][n][2 * x], dq[0][n][2 * x + 1]);
+                    for (int k0 = 0; k0 < BLOCK_R; k0 += KC) {
+                        typename One::template PFrag<KC> ds;
+                        One::template load_pt<KC, LDS>(sdS + k0 * LDS + 16 * rg, ds);  // dS (16 queries, KC keys)
+                        One::template pv<KC, NQ, LD>(ds, sK + k0 * LD + c0 + n0, dq);
+                    }
+                    add_dq_tile(gdQa, bp.dqa_sr, dq, i0 + 16 * rg, i1, c0 + n0, bp.d_true);
                 }
             }
         }

@@ -42,24 +42,6 @@ __device__ __forceinline__ int next_live_tile(const Params& p, const HeadView& h
     return j;
 }
 
-// The shared-memory layout of a policy's operand tiles.
-template <bool SWIZZLED> struct TileKind {
-    template <typename T, int ROWS, int COLS> using type = PaddedTile<T, ROWS, COLS>;
-};
-template <> struct TileKind<true> {
-    template <typename T, int ROWS, int COLS> using type = Sw128Tile<T, ROWS, COLS>;
-};
-
-// Waits for the copies of every cp.async group but the newest N, for all threads of the
-// block. Before a warpgroup product reads them, each thread also fences its copies to the
-// tensor cores' (asynchronous) view of shared memory.
-template <int N, bool WARPGROUP>
-__device__ __forceinline__ void wait_tiles() {
-    cp_async_wait<N>();
-    if constexpr (WARPGROUP) fence_proxy_async();
-    __syncthreads();
-}
-
 // S = Q K^T for the calling warp's rows with the policy's own product, ready to read: a
 // warpgroup product is issued and waited for at once (the overlapped Hopper loop in
 // flash_fwd issues and waits for its products itself).
@@ -221,8 +203,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     static_assert(!WG || (NUM_WARPS % 4 == 0 && STAGES == 2), "whole warpgroups, two stages");
 
     extern __shared__ __align__(16) unsigned char smem[];
-    // Swizzled tiles start on 1024-byte boundaries (the host adds 1024 bytes of slack).
-    T* sQ = reinterpret_cast<T*>(smem + (WG ? (1024 - (smem_addr(smem) & 1023)) & 1023 : 0));  // (BLOCK_M, HD)
+    T* sQ = reinterpret_cast<T*>(tiles_base<WG>(smem));  // (BLOCK_M, HD)
     static_assert(STAGES == 1 || STAGES == 2, "one or two shared-memory stages");
     T* sK = sQ + QTile::ELEMS;               // STAGES x (BLOCK_N, HD)
     T* sV = sK + STAGES * KTile::ELEMS;      // STAGES x (BLOCK_N, DV)

@@ -1,4 +1,5 @@
-// Hopper's warpgroup products (wgmma.mma_async, sm_90a) for float16/bfloat16 attention.
+// Hopper's warpgroup products (wgmma.mma_async, sm_90a) for float16/bfloat16 attention,
+// forward and backward.
 //
 // A warpgroup (4 consecutive warps, 128 threads) multiplies a (64, K) A operand by a (K, N)
 // B operand in one instruction per 16-wide k-step; the tensor cores read B, and A when it
@@ -17,6 +18,9 @@
 //   the slab, whose swizzle the hardware applies to the full address.
 //   V is the MN-major B operand of O += P V (Dv contiguous, transposed by the instruction):
 //   8-key groups 1024 bytes apart (SBO), 64-column slabs ROWS * 128 bytes apart (LBO).
+// The backward uses the same tiles in both roles: its streamed Q and dO are K-major B
+// operands of S^T = K Q^T and dP^T = V dO^T and MN-major ones of dK += dS^T Q and
+// dV += P^T dO; dQ = dS K reads dS^T (stored key by key) and K both MN-major.
 #pragma once
 
 #include "flash_copy.cuh"
@@ -47,6 +51,23 @@ struct Sw128Tile {
                                                 [base](int r, int c) { return base + chunk_offset(r, c); });
     }
 };
+
+// The shared-memory layout of a policy's operand tiles: swizzled for warpgroup products,
+// rows padded by 16 bytes for the warp policies' ldmatrix.
+template <bool SWIZZLED> struct TileKind {
+    template <typename T, int ROWS, int COLS> using type = PaddedTile<T, ROWS, COLS>;
+};
+template <> struct TileKind<true> {
+    template <typename T, int ROWS, int COLS> using type = Sw128Tile<T, ROWS, COLS>;
+};
+
+// The start of a kernel's tiles in dynamic shared memory: swizzled tiles on a 1024-byte
+// boundary (the swizzle pattern repeats every 8 rows of 128 bytes; the host adds 1024 bytes
+// of slack), padded ones where the block's shared memory begins.
+template <bool SWIZZLED>
+__device__ __forceinline__ unsigned char* tiles_base(unsigned char* smem) {
+    return smem + (SWIZZLED ? (1024 - (static_cast<u32>(__cvta_generic_to_shared(smem)) & 1023)) & 1023 : 0);
+}
 
 // The synchronisation helpers below are declared for every architecture, so that kernels
 // can name them in branches only warpgroup policies take; their instructions exist on
@@ -90,14 +111,26 @@ __device__ __forceinline__ void fence_regs(R (&regs)[N][4]) {
 
 #undef FLASH_SM90A_ASM
 
+// Waits for the copies of every cp.async group but the newest N, for all threads of the
+// block. Before a warpgroup product reads them, each thread also fences its copies to the
+// tensor cores' (asynchronous) view of shared memory.
+template <int N, bool WARPGROUP>
+__device__ __forceinline__ void wait_tiles() {
+    cp_async_wait<N>();
+    if constexpr (WARPGROUP) fence_proxy_async();
+    __syncthreads();
+}
+
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // Accumulator operand lists: "+f" of acc[n][e] for register i = 4 n + e.
 #define FLASH_ACC(i) "+f"(acc[(i) >> 2][(i) & 3])
 #define FLASH_ACC8(i) FLASH_ACC(i), FLASH_ACC(i + 1), FLASH_ACC(i + 2), FLASH_ACC(i + 3), \
                       FLASH_ACC(i + 4), FLASH_ACC(i + 5), FLASH_ACC(i + 6), FLASH_ACC(i + 7)
+#define FLASH_ACC16 FLASH_ACC8(0), FLASH_ACC8(8)
 #define FLASH_ACC32 FLASH_ACC8(0), FLASH_ACC8(8), FLASH_ACC8(16), FLASH_ACC8(24)
 #define FLASH_ACC64 FLASH_ACC32, FLASH_ACC8(32), FLASH_ACC8(40), FLASH_ACC8(48), FLASH_ACC8(56)
+#define FLASH_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FLASH_REGS32 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                         \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -109,12 +142,18 @@ __device__ __forceinline__ void fence_regs(R (&regs)[N][4]) {
 
 // D (64, N) += A (64, 16) B (16, N) for one warpgroup, float32 accumulators.
 //   ss: A and B from shared memory, both K-major.
+//   ss_mn: A and B from shared memory, both MN-major (transposed by the instruction).
 //   rs: A from registers (m16n8k16's A fragment per warp), B MN-major (transposed).
 // A0..A4: the operand numbers after the N / 2 accumulators.
 #define FLASH_WGMMA(N, TYPE, ACC, REGS, A0, A1, A2, A3, A4)                                           \
     static __device__ __forceinline__ void ss(float (&acc)[N / 8][4], u64 a_desc, u64 b_desc) {          \
         asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS ", %" A0   \
                      ", %" A1 ", 1, 1, 1, 0, 0;\n"                                                      \
+                     : ACC : "l"(a_desc), "l"(b_desc));                                                 \
+    }                                                                                                   \
+    static __device__ __forceinline__ void ss_mn(float (&acc)[N / 8][4], u64 a_desc, u64 b_desc) {       \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS ", %" A0   \
+                     ", %" A1 ", 1, 1, 1, 1, 1;\n"                                                      \
                      : ACC : "l"(a_desc), "l"(b_desc));                                                 \
     }                                                                                                   \
     static __device__ __forceinline__ void rs(float (&acc)[N / 8][4], const u32 (&a)[4], u64 b_desc) {   \
@@ -124,16 +163,20 @@ __device__ __forceinline__ void fence_regs(R (&regs)[N][4]) {
     }
 
 template <typename T, int N> struct Wgmma;
+template <> struct Wgmma<__half, 32> { FLASH_WGMMA(32, "f16", FLASH_ACC16, FLASH_REGS16, "16", "17", "18", "19", "20") };
 template <> struct Wgmma<__half, 64> { FLASH_WGMMA(64, "f16", FLASH_ACC32, FLASH_REGS32, "32", "33", "34", "35", "36") };
 template <> struct Wgmma<__half, 128> { FLASH_WGMMA(128, "f16", FLASH_ACC64, FLASH_REGS64, "64", "65", "66", "67", "68") };
+template <> struct Wgmma<__nv_bfloat16, 32> { FLASH_WGMMA(32, "bf16", FLASH_ACC16, FLASH_REGS16, "16", "17", "18", "19", "20") };
 template <> struct Wgmma<__nv_bfloat16, 64> { FLASH_WGMMA(64, "bf16", FLASH_ACC32, FLASH_REGS32, "32", "33", "34", "35", "36") };
 template <> struct Wgmma<__nv_bfloat16, 128> { FLASH_WGMMA(128, "bf16", FLASH_ACC64, FLASH_REGS64, "64", "65", "66", "67", "68") };
 
 #undef FLASH_WGMMA
 #undef FLASH_REGS64
 #undef FLASH_REGS32
+#undef FLASH_REGS16
 #undef FLASH_ACC64
 #undef FLASH_ACC32
+#undef FLASH_ACC16
 #undef FLASH_ACC8
 #undef FLASH_ACC
 
@@ -178,6 +221,37 @@ struct MmaWgmma : MmaF16<T, 1> {
                 Wgmma<T, N>::rs(o_part, a[0][kk], sw128_desc(v_part + kk * 16 * 128, KEYS * 128, 1024));
         }
         wgmma_commit();
+    }
+
+    // D (64, N) += A B with both operands MN-major Sw128 tiles of KEYS rows: A^T (KEYS, 64)
+    // and B (KEYS, *) from column col0 (the backward's dQ = dS K, with dS^T and K stored
+    // key by key). A start col0 % 64 inside a slab's 128-byte rows works as the K-major
+    // k-steps' 32-byte offsets do: the swizzle applies to the full address.
+    template <int KEYS, int N>
+    static __device__ __forceinline__ void mn_issue(const T* sAt, const T* sB, int col0, float (&acc)[1][N / 8][4]) {
+        static_assert(N <= 64 || N % 64 == 0, "inside one slab, or whole slabs");
+        const u32 a0 = smem_addr(sAt), b0 = smem_addr(sB) + (col0 / 64) * (KEYS * 128) + (col0 % 64) * 2;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KEYS / 16; ++kk)  // keys 16 kk .. 16 kk + 15: 16 rows of 128 bytes
+            Wgmma<T, N>::ss_mn(acc[0], sw128_desc(a0 + kk * 16 * 128, KEYS * 128, 1024),
+                               sw128_desc(b0 + kk * 16 * 128, KEYS * 128, 1024));
+        wgmma_commit();
+    }
+
+    // The calling warp's A fragments (its 16 rows, BN columns; pack_p's layout) into rows
+    // 16 warp .. 16 warp + 15 of a (ROWS, BN) Sw128 tile. A store of 4-byte pairs by the
+    // warp covers 8 rows whose chunks the swizzle puts on distinct banks.
+    template <int ROWS, int BN>
+    static __device__ __forceinline__ void store_p_swizzled(const u32 (&a)[1][BN / 16][4], T* sP) {
+        unsigned char* base = reinterpret_cast<unsigned char*>(sP);
+        const int lane = threadIdx.x & 31, row0 = 16 * (threadIdx.x / 32) + (lane >> 2), t = lane & 3;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)  // register r: row + 8 if r is odd, columns 16 kk (+8 if r >= 2) + 2t
+                *reinterpret_cast<u32*>(base + Sw128Tile<T, ROWS, BN>::chunk_offset(row0 + 8 * (r & 1), 2 * kk + (r >> 1))
+                                        + 4 * t) = a[0][kk][r];
     }
 };
 

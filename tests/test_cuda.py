@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 from flashcupy import cuda  # noqa: E402  (needs CuPy)
 from flashcupy.cuda import compile as kernels  # noqa: E402
-from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_kernels, select_forward  # noqa: E402
+from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_kernels, select_backward, select_forward  # noqa: E402
 
 GPU_SETTINGS = settings(max_examples=int(os.environ.get("FLASHCUPY_GPU_EXAMPLES", "60")), deadline=None)
 
@@ -250,6 +250,27 @@ def _check_backward(case: Case, deterministic: bool = False) -> None:
 @example(_case((2, 1, 64, 128), (2, 1, 80, 128), dv=40, dtype=BF16, alibi_slopes=np.array([0.3])))
 def test_backward_matches_reference(case: Case) -> None:
     _check_backward(case)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("shape, options", [
+    ((2, 3, 3, 333, 290, 128, 128), {}),
+    ((2, 4, 2, 300, 517, 64, 64), {"causal": True}),  # GQA: two query heads per block, many tiles each
+    ((1, 2, 1, 70, 129, 48, 64), {}),  # MQA, Dv wider than D, the last key block one key wide
+    ((1, 2, 2, 1, 77, 100, 112), {"causal": True}),
+    ((2, 2, 2, 290, 333, 128, 128), {"causal": "top_left"}),
+    ((1, 3, 3, 200, 200, 128, 64), {"window": (40, 7), "q_lengths": np.array([150]), "kv_lengths": np.array([171])}),
+    ((1, 2, 2, 129, 1, 64, 64), {}),  # one key: 127 padding keys in the block
+    ((1, 1, 1, 64, 64, 33, 33), {"scale": -0.3}),
+])
+def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
+    """The wgmma backward (compute capability 9.0, no score option) on partial tiles."""
+    arch, smem = cuda.device_limits(cupy.cuda.Device().id)
+    if arch != 90:
+        pytest.skip(f"wgmma kernels need compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    b, hq, hk, lq, lk, d, dv = shape
+    assert select_backward(np.dtype(dtype).name, d, dv, arch, smem, full=False).policy == "wgmma"
+    _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
 
 
 @GPU_SETTINGS

@@ -199,6 +199,7 @@ def test_kernel_selection_cache_matches_uncached_and_follows_the_portable_switch
                             assert cached(dtype, d, d, arch, smem, tf32, portable, *extra) == want
     assert S.select_forward("float16", 64, 64, 80, S.ARCH_SMEM[80]).policy == "mma16"
     assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "mma16"
+    assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90], full=False).policy == "wgmma"
     assert S.select_forward("float16", 128, 128, 90, S.ARCH_SMEM[90]).policy == "wgmma"
     monkeypatch.setenv(S.FORCE_PORTABLE_ENV, "1")
     assert S.select_forward("float16", 128, 128, 90, S.ARCH_SMEM[90]).policy == "simt"
@@ -319,6 +320,27 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
     for d, arch in ((32, 90), (96, 90), (512, 90), (64, 80), (128, 80), (128, 86), (128, 89)):
         assert S.select_forward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full).policy == "mma16"
     assert S.select_forward("float32", 128, 128, 90, S.ARCH_SMEM[90]).policy == "tf32x3"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_hopper_backward_takes_wgmma_only_without_options_and_up_to_d128(dtype) -> None:
+    """The wgmma backward (sm_90a) covers plain problems with a fused dQ: two warpgroups of
+    64 keys, the whole head in one chunk, 64-query tiles; its swizzled tiles, dS^T and the
+    1024 bytes of alignment slack fit the GPU. Options, determinism, D > 128 and other GPUs
+    keep mma.sync."""
+    smem = S.ARCH_SMEM[90]
+    for d in (33, 64, 97, 128):
+        spec = S.select_backward(dtype, d, d, 90, smem, full=False)
+        assert spec.policy == "wgmma" and spec.head_dim in S.WGMMA_BACKWARD_HEAD_DIMS
+        assert spec.kv_chunk == spec.head_dim and spec.fused_dq and not spec.full
+        assert spec.block_r == 128 and spec.block_c == 64 and spec.threads == 256
+        tiles = (2 * spec.block_r + 2 * spec.stages * spec.block_c) * spec.head_dim + spec.block_r * spec.block_c
+        assert spec.dkdv_smem_bytes == 1024 + 2 * tiles + spec.stages * 2 * spec.block_c * 4 <= smem
+        assert "flash::MmaWgmma<" in spec.dkdv_name
+    for d, arch, full, deterministic in ((32, 90, False, False), (256, 90, False, False), (128, 90, True, False),
+                                         (128, 90, False, True), (128, 80, False, False), (64, 89, False, False)):
+        spec = S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full, deterministic=deterministic)
+        assert spec.policy == "mma16"
 
 
 @pytest.mark.parametrize("arch", [75, 80, 86, 89, 90])

@@ -144,6 +144,11 @@ def policy_for(dtype: str, arch: int, allow_tf32: bool, portable: bool) -> str:
 WGMMA_HEAD_DIMS = (64, 128, 256)
 
 
+#: Padded head dims the wgmma backward takes (without options, dQ fused): dK, dV, S^T, dP^T
+#: and the dQ tile of the whole head stay in registers up to 128.
+WGMMA_BACKWARD_HEAD_DIMS = (64, 128)
+
+
 def forward_policy(dtype: str, hd: int, arch: int, allow_tf32: bool, portable: bool) -> str:
     """:func:`policy_for`, with float16/bfloat16 on sm_90 (wgmma needs sm_90a, which
     only compute capability 9.0 has) taking warpgroup products where the head dim allows."""
@@ -272,11 +277,15 @@ class BackwardSpec:
     def dkdv_smem_bytes(self) -> int:
         """K and V (block_r, HD); per stage Q and dO (block_c, HD), lse and D (block_c); when
         fused, dS^T (block_r, block_c) padded by 16 bytes per row, in T on the float16/bfloat16
-        tensor cores and in the accumulator dtype otherwise."""
+        tensor cores and in the accumulator dtype otherwise. wgmma: the tiles swizzled without
+        padding (dS^T in T), and 1024 bytes of slack to align them."""
+        stats = self.stages * 2 * self.block_c * self.acc_itemsize
+        if self.policy == "wgmma":
+            elems = (2 * self.block_r + 2 * self.stages * self.block_c) * self.head_dim + self.block_r * self.block_c
+            return elems * self.itemsize + stats + 1024
         pelem = self.itemsize if self.policy == "mma16" else self.acc_itemsize
         ds = self.block_r * (self.block_c * pelem + 16) if self.fused_dq else 0
-        per_stage = 2 * self.block_c * self._row_bytes() + 2 * self.block_c * self.acc_itemsize
-        return 2 * self.block_r * self._row_bytes() + self.stages * per_stage + ds
+        return (2 * self.block_r + 2 * self.stages * self.block_c) * self._row_bytes() + stats + ds
 
     @property
     def smem_bytes(self) -> int:
@@ -308,6 +317,12 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
     """:func:`select_backward` with ``portable`` decided, computed once per distinct arguments."""
     policy = policy_for(dtype, arch, allow_tf32, portable)
     hd = head_dim_bucket(max(d, dv))
+    if policy == "mma16" and arch == 90 and hd in WGMMA_BACKWARD_HEAD_DIMS and not (deterministic or full):
+        # Hopper: two warpgroups of 64 keys, the whole head in one chunk, 64-query tiles
+        # (flash_bwd_dkdv's warpgroup branch), two stages.
+        spec = BackwardSpec(dtype, "wgmma", hd, hd, hd, 128, 64, True, 2, False, 1)
+        if spec.smem_bytes <= smem_limit:
+            return spec
     wide = dtype == "float64"
     # (block_r, block_c, 16-key groups per warp of the dK/dV kernel)
     tiles = ((64, 16, 1), (32, 16, 1), (16, 16, 1)) if wide else (
