@@ -260,9 +260,9 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
 // Warpgroup policies (Hopper's wgmma, flash_wgmma.cuh): each warpgroup owns 64 keys and
 // multiplies them at once from swizzled tiles: S^T and dP^T with K and V as A operands
 // from shared memory, dV and dK with P'^T and dS^T as A operands from registers; dS^T goes
-// to shared memory, and warpgroup w computes the dQ tile's columns [w NQ, (w + 1) NQ) over
-// all the block's keys. Every product covers the whole head (CH = HD), over 64-query tiles
-// (dQ's 64 rows).
+// to shared memory, and warpgroup w computes the dQ tile's columns [w NQW, (w + 1) NQW) over
+// all the block's keys (with 128-query tiles: warpgroup w the rows [64 w, 64 w + 64)).
+// With one stage, the next tile's copies run during the dQ product.
 template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C, bool FUSED_DQ, int STAGES, bool FULL>
 __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(const BwdParams bp) {
     using Acc = typename Policy::Acc;
@@ -272,8 +272,9 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     constexpr bool WG = Policy::WARPGROUP;
     static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
     constexpr int WARPS = BLOCK_R / (16 * MI), THREADS = 32 * WARPS;
-    static_assert(!WG || (FUSED_DQ && CH == HD && BLOCK_R % 64 == 0 && BLOCK_C == 64),
-                  "warpgroups of 64 keys, the whole head, 64-query tiles, dQ fused");
+    static_assert(!WG || (FUSED_DQ && CH % 64 == 0 && BLOCK_R % 64 == 0 && BLOCK_C % 64 == 0
+                          && (BLOCK_R / 64) % (BLOCK_C / 64) == 0),
+                  "warpgroups of 64 keys, whole slabs, dQ fused in 64-query blocks shared by the warpgroups");
     using KTile = typename TileKind<WG>::template type<T, BLOCK_R, HD>;
     using QTile = typename TileKind<WG>::template type<T, BLOCK_C, HD>;
     constexpr int LD = PaddedTile<T, 1, HD>::LD;  // rows padded as the forward's tiles
@@ -390,12 +391,9 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         Acc s_t[MI][NT][4], dp_t[MI][NT][4];
         zero_acc(s_t);
         zero_acc(dp_t);
-        if constexpr (WG) {
+        if constexpr (WG) {  // issued here, waited for below
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sK, sQt, s_t);    // S^T = K Q^T
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
-            wgmma_wait<0>();
-            fence_regs(s_t[0]);
-            fence_regs(dp_t[0]);
         } else {
             // Two row groups keep dK and dV for 32 keys live: unroll two k-steps, not all.
             constexpr int K_UNROLL = MI == 2 ? 2 : 0;
@@ -412,57 +410,90 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         // P' = P z into s_t and dS^T into dp_t, element by element. FAST (a full tile inside the
         // band, no score option): P = exp2(S * scale * log2(e) - lse2), nothing selected.
         // Otherwise masked scores and padding get P = 0 and dS = 0 by selection, whatever
-        // dP - D holds there (0 * an overflowed dP would be NaN). Two copies, so that the
-        // fast tiles, nearly all of them, carry no per-element test (measured: bench/NOTES.md):
-        // without FULL the lambda is inlined at two calls, each with a constant FAST.
-        auto probabilities = [&](const bool FAST) {
+        // dP - D holds there (0 * an overflowed dP would be NaN). The fast tiles, nearly all of
+        // them, carry no per-element test (measured: bench/NOTES.md): each loop below is
+        // inlined twice, with a constant FAST.
+        if constexpr (FULL) {  // one pass, one copy: a second spills beside the full pipeline (48 bytes at D = 128)
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
+                for (int n = 0; n < NT; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
-                    const bool valid = i < i1 && j < j0 + keys_valid;
-                    const Acc raw = s_t[mi][n][e];
-                    // The log2-domain score minus lse2 (one FMA on the fast path); -inf where masked.
-                    Acc x;
-                    if (FAST) {
-                        x = raw * score.scale_log2 - sLset[c];
-                    } else if constexpr (FULL) {
-                        x = (valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>()) - sLset[c];
-                    } else {
-                        const bool keep = valid && (!band || in_band(p, hv, i, j));
-                        x = keep ? raw * score.scale_log2 - sLset[c] : neg_inf<Acc>();
-                    }
-                    const bool live = FAST || x != neg_inf<Acc>();
-                    const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
-                    Acc z = Acc(1);
-                    if (FULL && p.dropout_threshold != 0)
-                        z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold)
-                                ? dropout_scale : Acc(0);
-                    Acc ds = pe * (dp_t[mi][n][e] * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
-                    if (FULL && !FAST) {
-                        if (bp.dbias != nullptr && chunk == 0 && ds != Acc(0)) {
-                            acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh
-                                               + i * bp.db_si + j * bp.db_sj,
-                                           ds);
+                    for (int e = 0; e < 4; ++e) {
+                        const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
+                        const Acc raw = s_t[mi][n][e];
+                        // The log2-domain score minus lse2 (one FMA on the fast path); -inf where masked.
+                        const Acc x = fast ? raw * score.scale_log2 - sLset[c]
+                                           : (i < i1 && j < j0 + keys_valid ? score(p, hv, raw, i, j, true)
+                                                                            : neg_inf<Acc>()) - sLset[c];
+                        const bool live = fast || x != neg_inf<Acc>();
+                        const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
+                        Acc z = Acc(1);
+                        if (p.dropout_threshold != 0)
+                            z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold)
+                                    ? dropout_scale : Acc(0);
+                        Acc ds = pe * (dp_t[mi][n][e] * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
+                        if (!fast) {
+                            if (bp.dbias != nullptr && chunk == 0 && ds != Acc(0)) {
+                                acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh
+                                                   + i * bp.db_si + j * bp.db_sj,
+                                               ds);
+                            }
+                            if (p.has_softcap) {
+                                const Acc th = tanh_acc(raw * score.scale * score.inv_softcap);
+                                ds *= Acc(1) - th * th;  // d(c tanh(x / c)) / dx = 1 - tanh^2
+                            }
                         }
-                        if (p.has_softcap) {
-                            const Acc th = tanh_acc(raw * score.scale * score.inv_softcap);
-                            ds *= Acc(1) - th * th;  // d(c tanh(x / c)) / dx = 1 - tanh^2
-                        }
+                        s_t[mi][n][e] = pe * z;  // P' = P z
+                        dp_t[mi][n][e] = live ? ds : Acc(0);
                     }
-                    s_t[mi][n][e] = pe * z;  // P' = P z
-                    dp_t[mi][n][e] = live ? ds : Acc(0);
-                }
-        };
-        if (FULL)  // one copy: a second spills beside the full pipeline (48 bytes at D = 128)
-            probabilities(fast);
-        else if (fast)
-            probabilities(true);
-        else
-            probabilities(false);
+        } else {
+            // Two passes, so that on Hopper the first runs while dP^T is on the tensor cores.
+            // Whether score (query i0 + c, key j) survives the lengths and the band:
+            auto kept = [&](int c, int j) {
+                return i0 + c < i1 && j < j0 + keys_valid && (!band || in_band(p, hv, i0 + c, j));
+            };
+            auto exponentiate = [&](const bool FAST) {  // P^T = exp2(S^T scale log2(e) - lse2)
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1);
+                            const Acc x = s_t[mi][n][e] * score.scale_log2 - sLset[c];
+                            s_t[mi][n][e] = FAST || kept(c, j) ? softmax_exp2(x) : Acc(0);
+                        }
+            };
+            auto differentiate = [&](const bool FAST) {  // dS^T = P^T (dP^T - D)
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1);
+                            const Acc ds = s_t[mi][n][e] * (dp_t[mi][n][e] - sDeltat[c]);
+                            dp_t[mi][n][e] = FAST || kept(c, j) ? ds : Acc(0);
+                        }
+            };
+            if constexpr (WG) {
+                wgmma_wait<1>();  // S^T has landed; dP^T may still run
+                fence_regs(s_t[0]);
+            }
+            if (fast)
+                exponentiate(true);
+            else
+                exponentiate(false);
+            if constexpr (WG) {
+                wgmma_wait<0>();
+                fence_regs(dp_t[0]);
+            }
+            if (fast)
+                differentiate(true);
+            else
+                differentiate(false);
+        }
         // dQ's accumulator rows of this head (FUSED_DQ)
         Acc* gdQa = FUSED_DQ ? static_cast<Acc*>(bp.dq_accum) + (packed ? hv.q_start * bp.dqa_sr : hv.b * bp.dqa_sb)
                                    + hv.h * bp.dqa_sh
@@ -471,23 +502,30 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
             typename Policy::template PFrag<BLOCK_C> pf, dsf;
             Policy::template pack_p<BLOCK_C>(s_t, pf);
             Policy::template pack_p<BLOCK_C>(dp_t, dsf);
-            Policy::template pv_issue<BLOCK_C, CH>(pf, sdOt, dv);  // dV += P'^T dO
-            Policy::template pv_issue<BLOCK_C, CH>(dsf, sQt, dk);  // dK += dS^T Q
+            Policy::template pv_issue<BLOCK_C, CH>(pf, sdOt + QTile::column(c0), dv);  // dV += P'^T dO
+            Policy::template pv_issue<BLOCK_C, CH>(dsf, sQt + QTile::column(c0), dk);  // dK += dS^T Q
             Policy::template store_p_swizzled<BLOCK_R, BLOCK_C>(dsf, sdS);
+            // One stage: dV and dK have to be done with its Q and dO before the next tile's
+            // copies. (Placed after fence.proxy.async instead, this wait crashed NVRTC 12.9's
+            // ptxas.)
+            if constexpr (STAGES == 1) wgmma_wait<0>();
             fence_proxy_async();
-            __syncthreads();  // dS^T of every key of the block is in sdS
-            constexpr int NQW = HD / (WARPS / 4);  // dQ columns per warpgroup
-            const int col0 = (warp / 4) * NQW;
+            __syncthreads();  // dS^T of every key of the block is in sdS (one stage: free for the next tile)
+            if (STAGES == 1 && next_hq < group) load_queries(next_hq, next_i0, 0);  // copied during dQ
+            // The dQ tile (BLOCK_C, CH): warpgroup w takes query block qb = w % QB (64 rows, the
+            // qb-th slab of dS^T) and NQW columns from col0.
+            constexpr int QB = BLOCK_C / 64, NQW = CH * QB / (WARPS / 4);
+            const int qb = (warp / 4) % QB, col0 = c0 + (warp / 4) / QB * NQW;
             Acc dq[1][NQW / 8][4];
             zero_acc(dq);
-            Policy::template mn_issue<BLOCK_R, NQW>(sdS, sK, col0, dq);  // dQ_tile = dS K
+            Policy::template mn_issue<BLOCK_R, NQW>(sdS + qb * BLOCK_R * 64, sK, col0, dq);  // dQ_tile = dS K
             wgmma_wait<0>();
             fence_regs(dv[0]);
             fence_regs(dk[0]);
             fence_regs(dq[0]);
             fence_regs(pf[0]);
             fence_regs(dsf[0]);
-            add_dq_tile(gdQa, bp.dqa_sr, dq, i0 + 16 * (warp % 4), i1, col0, bp.d_true);
+            add_dq_tile(gdQa, bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4), i1, col0, bp.d_true);
         } else {
             typename Policy::template PFrag<BLOCK_C> pf;
             Policy::template pack_p<BLOCK_C>(s_t, pf);
@@ -513,7 +551,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                 }
             }
         }
-        if (STAGES == 1 && next_hq < group) {
+        if (!WG && STAGES == 1 && next_hq < group) {
             __syncthreads();  // every warp is done with the stage
             load_queries(next_hq, next_i0, 0);
         }

@@ -37,6 +37,10 @@ struct Sw128Tile {
     static constexpr int SLAB_BYTES = ROWS * 128;
     static constexpr int ELEMS = ROWS * COLS;
 
+    // Element offset of column c, a multiple of 64: the start of its slab, from which the
+    // columns to the right form again an Sw128 tile of ROWS rows.
+    static __host__ __device__ constexpr int column(int c) { return c * ROWS; }
+
     // Byte offset of the 16-byte chunk c (columns 8c .. 8c + 7) of row r.
     static __device__ __forceinline__ int chunk_offset(int r, int c) {
         return (c >> 3) * SLAB_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4);

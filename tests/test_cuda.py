@@ -262,6 +262,8 @@ def test_backward_matches_reference(case: Case) -> None:
     ((1, 3, 3, 200, 200, 128, 64), {"window": (40, 7), "q_lengths": np.array([150]), "kv_lengths": np.array([171])}),
     ((1, 2, 2, 129, 1, 64, 64), {}),  # one key: 127 padding keys in the block
     ((1, 1, 1, 64, 64, 33, 33), {"scale": -0.3}),
+    ((2, 2, 2, 150, 290, 256, 256), {"causal": "top_left"}),  # two gradient chunks, one stage
+    ((1, 2, 1, 70, 130, 200, 256), {"causal": True}),
 ])
 def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
     """The wgmma backward (compute capability 9.0, no score option) on partial tiles."""

@@ -323,21 +323,22 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_hopper_backward_takes_wgmma_only_without_options_and_up_to_d128(dtype) -> None:
+def test_hopper_backward_takes_wgmma_only_without_options(dtype) -> None:
     """The wgmma backward (sm_90a) covers plain problems with a fused dQ: two warpgroups of
-    64 keys, the whole head in one chunk, 64-query tiles; its swizzled tiles, dS^T and the
-    1024 bytes of alignment slack fit the GPU. Options, determinism, D > 128 and other GPUs
-    keep mma.sync."""
+    64 keys, gradient chunks of at most 128 columns, 128-query tiles up to D = 64 and 64
+    above; its swizzled tiles, dS^T and the 1024 bytes of alignment slack fit the GPU.
+    Options, determinism, D = 32 or 512 and other GPUs keep mma.sync."""
     smem = S.ARCH_SMEM[90]
-    for d in (33, 64, 97, 128):
+    for d in (33, 64, 97, 128, 200, 256):
         spec = S.select_backward(dtype, d, d, 90, smem, full=False)
         assert spec.policy == "wgmma" and spec.head_dim in S.WGMMA_BACKWARD_HEAD_DIMS
-        assert spec.kv_chunk == spec.head_dim and spec.fused_dq and not spec.full
-        assert spec.block_r == 128 and spec.block_c == 64 and spec.threads == 256
+        assert spec.kv_chunk == min(spec.head_dim, 128) and spec.fused_dq and not spec.full
+        assert spec.block_r == 128 and spec.block_c == (128 if spec.head_dim <= 64 else 64) and spec.threads == 256
         tiles = (2 * spec.block_r + 2 * spec.stages * spec.block_c) * spec.head_dim + spec.block_r * spec.block_c
         assert spec.dkdv_smem_bytes == 1024 + 2 * tiles + spec.stages * 2 * spec.block_c * 4 <= smem
+        assert spec.stages == (1 if spec.head_dim == 256 else 2)
         assert "flash::MmaWgmma<" in spec.dkdv_name
-    for d, arch, full, deterministic in ((32, 90, False, False), (256, 90, False, False), (128, 90, True, False),
+    for d, arch, full, deterministic in ((32, 90, False, False), (512, 90, False, False), (128, 90, True, False),
                                          (128, 90, False, True), (128, 80, False, False), (64, 89, False, False)):
         spec = S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full, deterministic=deterministic)
         assert spec.policy == "mma16"
