@@ -74,6 +74,19 @@ __device__ __forceinline__ void add_dq_tile(Acc* gdQa, i64 sr, const Acc (&dq)[1
     }
 }
 
+// f(a, b, c, j) on the elements of two (16 MI, 8 NT) accumulator tiles of a key-major
+// product (a thread's keys r0 + 16 mi and r0 + 16 mi + 8, column pair 2t of each 8 queries):
+// a and b the two tiles' elements at query column c and key j.
+template <typename Acc, int MI, int NT, typename F>
+__device__ __forceinline__ void each_score(Acc (&a)[MI][NT][4], Acc (&b)[MI][NT][4], int r0, int t, F f) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) f(a[mi][n][e], b[mi][n][e], 8 * n + 2 * t + (e & 1), r0 + 16 * mi + 8 * (e >> 1));
+}
+
 // Offset of row `row` of head h of batch b in a (batch, head, row) operand with element
 // strides sb, sh, sr. Packed operands have no batch stride: their rows count from the first
 // sequence, so `row` already includes the sequence's start.
@@ -454,28 +467,16 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                 return i0 + c < i1 && j < j0 + keys_valid && (!band || in_band(p, hv, i0 + c, j));
             };
             auto exponentiate = [&](const bool FAST) {  // P^T = exp2(S^T scale log2(e) - lse2)
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int n = 0; n < NT; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1);
-                            const Acc x = s_t[mi][n][e] * score.scale_log2 - sLset[c];
-                            s_t[mi][n][e] = FAST || kept(c, j) ? softmax_exp2(x) : Acc(0);
-                        }
+                each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc&, int c, int j) {
+                    const Acc x = s * score.scale_log2 - sLset[c];
+                    s = FAST || kept(c, j) ? softmax_exp2(x) : Acc(0);
+                });
             };
             auto differentiate = [&](const bool FAST) {  // dS^T = P^T (dP^T - D)
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int n = 0; n < NT; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1);
-                            const Acc ds = s_t[mi][n][e] * (dp_t[mi][n][e] - sDeltat[c]);
-                            dp_t[mi][n][e] = FAST || kept(c, j) ? ds : Acc(0);
-                        }
+                each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc& dp, int c, int j) {
+                    const Acc ds = s * (dp - sDeltat[c]);
+                    dp = FAST || kept(c, j) ? ds : Acc(0);
+                });
             };
             if constexpr (WG) {
                 wgmma_wait<1>();  // S^T has landed; dP^T may still run
