@@ -105,26 +105,23 @@ struct OnlineSoftmax {
                         row_max[2 * mi + (e >> 1)] = max_acc(row_max[2 * mi + (e >> 1)], sp[mi][n][e]);
                     }
         } else {
+            // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
+            // discarded: both masked, the latter before any mask or bias read.
             const bool band = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
+            if constexpr (FULL) {
+                score.tile(p, hv, sp, r0, jt0, t, jt1, band);
+            } else {
+                each_element(sp, r0, jt0, t, [&](Acc& s, int i, int j) {
+                    s = j < jt1 && i < hv.q_len && (!band || in_band(p, hv, i, j)) ? s * score.scale_log2 : neg_inf<Acc>();
+                });
+            }
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                 for (int n = 0; n < NP; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int x = 2 * mi + (e >> 1);
-                        const int i = r0 + 8 * x, j = jt0 + 8 * n + 2 * t + (e & 1);
-                        // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
-                        // discarded: both masked, the latter before any mask or bias read.
-                        if constexpr (FULL) {
-                            sp[mi][n][e] = (j < jt1 && i < hv.q_len) ? score(p, hv, sp[mi][n][e], i, j, band)
-                                                                     : neg_inf<Acc>();
-                        } else {
-                            const bool keep = j < jt1 && i < hv.q_len && (!band || in_band(p, hv, i, j));
-                            sp[mi][n][e] = keep ? sp[mi][n][e] * score.scale_log2 : neg_inf<Acc>();
-                        }
-                        row_max[x] = max_acc(row_max[x], sp[mi][n][e]);
-                    }
+                    for (int e = 0; e < 4; ++e)
+                        row_max[2 * mi + (e >> 1)] = max_acc(row_max[2 * mi + (e >> 1)], sp[mi][n][e]);
         }
         Acc m_safe[2 * MI];
 #pragma unroll

@@ -136,6 +136,18 @@ __device__ __forceinline__ bool tile_live(const Params& p, const HeadView& hv, i
     return live;
 }
 
+// f(x, i, j) on each element x of a (16 MI, 8 NP) accumulator tile whose rows are
+// r0 + 8 x (x = 2 mi + (e >> 1)) and columns jt0 + 8 n + 2 t + (e & 1).
+template <typename Acc, int MI, int NP, typename F>
+__device__ __forceinline__ void each_element(Acc (&s)[MI][NP][4], int r0, int jt0, int t, F f) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int n = 0; n < NP; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) f(s[mi][n][e], r0 + 16 * mi + 8 * (e >> 1), jt0 + 8 * n + 2 * t + (e & 1));
+}
+
 // Everything a thread needs to turn raw products q.k into log2-domain scores.
 template <typename Acc>
 struct ScoreOp {
@@ -185,6 +197,66 @@ struct ScoreOp {
         if (mask != nullptr) keep &= mask[i * p.mask_si + j * p.mask_sj];
         if (block_mask != nullptr) keep &= block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
         return keep ? s : neg_inf<Acc>();
+    }
+
+    // tile's bias pass for a bias of element type B: s += bias * log2(e) inside (q_len, j_end).
+    template <typename B, int MI, int NP>
+    __device__ __forceinline__ void add_bias(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
+                                             int t, int j_end) const {
+        const B* b = static_cast<const B*>(bias);
+        each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
+            x += i < hv.q_len && j < j_end ? static_cast<Acc>(widen(b[i * p.bias_si + j * p.bias_sj])) * static_cast<Acc>(kLog2e)
+                                           : Acc(0);
+        });
+    }
+
+    // operator() on a whole (16 MI, 8 NP) accumulator tile of S = Q K^T (flash_mma.cuh's
+    // layout: rows r0 + 8 x for x = 2 mi + (e >> 1), keys jt0 + 8 n + 2 t + (e & 1)), rows
+    // from q_len and keys from j_end masked. One pass over the tile per option present, with
+    // the option's test outside the pass: element by element, the tests and their branches
+    // made these tiles about ten times slower than the plain ones (H100, bench/NOTES.md).
+    // Bias and mask are read only inside (q_len, j_end).
+    template <int MI, int NP>
+    __device__ __forceinline__ void tile(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
+                                         int t, int j_end, bool check_band) const {
+        const Acc log2e = static_cast<Acc>(kLog2e);
+        auto inside = [&](int i, int j) { return i < hv.q_len && j < j_end; };
+        if (p.has_softcap) {
+            each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * tanh_acc(x * scale * inv_softcap) * log2e; });
+        } else {
+            each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x *= scale_log2; });
+        }
+        if (bias != nullptr) {
+            // float64: one pass reading through load_as (four copies of the pass spill there).
+            if constexpr (sizeof(Acc) == 8) {
+                each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
+                    x += inside(i, j) ? load_as<Acc>(bias, i * p.bias_si + j * p.bias_sj, p.bias_dtype) * log2e : Acc(0);
+                });
+            } else {
+                switch (p.bias_dtype) {
+                    case kF16: add_bias<__half>(p, hv, s, r0, jt0, t, j_end); break;
+                    case kBF16: add_bias<__nv_bfloat16>(p, hv, s, r0, jt0, t, j_end); break;
+                    case kF32: add_bias<float>(p, hv, s, r0, jt0, t, j_end); break;
+                    default: add_bias<double>(p, hv, s, r0, jt0, t, j_end); break;
+                }
+            }
+        }
+        if (p.alibi != nullptr) {  // s -= slope * |i + Lk - Lq - j|
+            each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x -= slope_log2 * static_cast<Acc>(abs(i + hv.diagonal - j)); });
+        }
+        if (mask != nullptr || block_mask != nullptr) {
+            each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
+                bool keep = inside(i, j) && (!check_band || in_band(p, hv, i, j));
+                if (mask != nullptr) keep = keep && mask[i * p.mask_si + j * p.mask_sj];
+                if (block_mask != nullptr)
+                    keep = keep && block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
+                x = keep ? x : neg_inf<Acc>();
+            });
+        } else if (check_band) {
+            each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x = inside(i, j) && in_band(p, hv, i, j) ? x : neg_inf<Acc>(); });
+        } else {
+            each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x = inside(i, j) ? x : neg_inf<Acc>(); });
+        }
     }
 };
 
