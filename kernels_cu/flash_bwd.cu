@@ -461,39 +461,40 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                         dp_t[mi][n][e] = live ? ds : Acc(0);
                     }
         } else {
-            // Two passes, so that on Hopper the first runs while dP^T is on the tensor cores.
             // Whether score (query i0 + c, key j) survives the lengths and the band:
             auto kept = [&](int c, int j) {
                 return i0 + c < i1 && j < j0 + keys_valid && (!band || in_band(p, hv, i0 + c, j));
             };
-            auto exponentiate = [&](const bool FAST) {  // P^T = exp2(S^T scale log2(e) - lse2)
-                each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc&, int c, int j) {
-                    const Acc x = s * score.scale_log2 - sLset[c];
-                    s = FAST || kept(c, j) ? softmax_exp2(x) : Acc(0);
-                });
+            auto exponentiate = [&](const bool FAST, Acc& s, int c, int j) {  // P^T = exp2(S^T scale log2(e) - lse2)
+                const Acc x = s * score.scale_log2 - sLset[c];
+                s = FAST || kept(c, j) ? softmax_exp2(x) : Acc(0);
             };
-            auto differentiate = [&](const bool FAST) {  // dS^T = P^T (dP^T - D)
-                each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc& dp, int c, int j) {
-                    const Acc ds = s * (dp - sDeltat[c]);
-                    dp = FAST || kept(c, j) ? ds : Acc(0);
-                });
+            auto differentiate = [&](const bool FAST, Acc s, Acc& dp, int c, int j) {  // dS^T = P^T (dP^T - D)
+                const Acc ds = s * (dp - sDeltat[c]);
+                dp = FAST || kept(c, j) ? ds : Acc(0);
             };
-            if constexpr (WG) {
-                wgmma_wait<1>();  // S^T has landed; dP^T may still run
-                fence_regs(s_t[0]);
-            }
+            // Hopper: P in a first pass while dP^T is still on the tensor cores, dS in a second.
+            // The warp policies: one pass (a second spills 4 bytes beside 3xTF32's fragments
+            // at D = 96 on sm_80 to sm_89).
+            auto passes = [&](const bool FAST) {
+                if constexpr (WG) {
+                    wgmma_wait<1>();  // S^T has landed; dP^T may still run
+                    fence_regs(s_t[0]);
+                    each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc&, int c, int j) { exponentiate(FAST, s, c, j); });
+                    wgmma_wait<0>();
+                    fence_regs(dp_t[0]);
+                    each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc& dp, int c, int j) { differentiate(FAST, s, dp, c, j); });
+                } else {
+                    each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc& dp, int c, int j) {
+                        exponentiate(FAST, s, c, j);
+                        differentiate(FAST, s, dp, c, j);
+                    });
+                }
+            };
             if (fast)
-                exponentiate(true);
+                passes(true);
             else
-                exponentiate(false);
-            if constexpr (WG) {
-                wgmma_wait<0>();
-                fence_regs(dp_t[0]);
-            }
-            if (fast)
-                differentiate(true);
-            else
-                differentiate(false);
+                passes(false);
         }
         // dQ's accumulator rows of this head (FUSED_DQ)
         Acc* gdQa = FUSED_DQ ? static_cast<Acc*>(bp.dq_accum) + (packed ? hv.q_start * bp.dqa_sr : hv.b * bp.dqa_sb)
