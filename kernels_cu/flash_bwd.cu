@@ -74,19 +74,6 @@ __device__ __forceinline__ void add_dq_tile(Acc* gdQa, i64 sr, const Acc (&dq)[1
     }
 }
 
-// f(a, b, c, j) on the elements of two (16 MI, 8 NT) accumulator tiles of a key-major
-// product (a thread's keys r0 + 16 mi and r0 + 16 mi + 8, column pair 2t of each 8 queries):
-// a and b the two tiles' elements at query column c and key j.
-template <typename Acc, int MI, int NT, typename F>
-__device__ __forceinline__ void each_score(Acc (&a)[MI][NT][4], Acc (&b)[MI][NT][4], int r0, int t, F f) {
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) f(a[mi][n][e], b[mi][n][e], 8 * n + 2 * t + (e & 1), r0 + 16 * mi + 8 * (e >> 1));
-}
-
 // Offset of row `row` of head h of batch b in a (batch, head, row) operand with element
 // strides sb, sh, sr. Packed operands have no batch stride: their rows count from the first
 // sequence, so `row` already includes the sequence's start.
@@ -427,39 +414,35 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         // them, carry no per-element test (measured: bench/NOTES.md): each loop below is
         // inlined twice, with a constant FAST.
         if constexpr (FULL) {  // one pass, one copy: a second spills beside the full pipeline (48 bytes at D = 128)
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int n = 0; n < NT; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
-                        const Acc raw = s_t[mi][n][e];
-                        // The log2-domain score minus lse2 (one FMA on the fast path); -inf where masked.
-                        const Acc x = fast ? raw * score.scale_log2 - sLset[c]
-                                           : (i < i1 && j < j0 + keys_valid ? score(p, hv, raw, i, j, true)
-                                                                            : neg_inf<Acc>()) - sLset[c];
-                        const bool live = fast || x != neg_inf<Acc>();
-                        const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
-                        Acc z = Acc(1);
-                        if (p.dropout_threshold != 0)
-                            z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold)
-                                    ? dropout_scale : Acc(0);
-                        Acc ds = pe * (dp_t[mi][n][e] * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
-                        if (!fast) {
-                            if (bp.dbias != nullptr && chunk == 0 && ds != Acc(0)) {
-                                acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh
-                                                   + i * bp.db_si + j * bp.db_sj,
-                                               ds);
-                            }
-                            if (p.has_softcap) {
-                                const Acc th = tanh_acc(raw * score.scale * score.inv_softcap);
-                                ds *= Acc(1) - th * th;  // d(c tanh(x / c)) / dx = 1 - tanh^2
-                            }
-                        }
-                        s_t[mi][n][e] = pe * z;  // P' = P z
-                        dp_t[mi][n][e] = live ? ds : Acc(0);
+            // Rows of S^T are keys j, columns queries i0 + c.
+            each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
+                const int i = i0 + c;
+                const Acc raw = s;
+                // The log2-domain score minus lse2 (one FMA on the fast path); -inf where masked.
+                const Acc x = fast ? raw * score.scale_log2 - sLset[c]
+                                   : (i < i1 && j < j0 + keys_valid ? score(p, hv, raw, i, j, true) : neg_inf<Acc>())
+                                         - sLset[c];
+                const bool live = fast || x != neg_inf<Acc>();
+                const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
+                Acc z = Acc(1);
+                if (p.dropout_threshold != 0)
+                    z = dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold) ? dropout_scale
+                                                                                                       : Acc(0);
+                Acc ds = pe * (dp * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
+                if (!fast) {
+                    if (bp.dbias != nullptr && chunk == 0 && ds != Acc(0)) {
+                        acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh + i * bp.db_si
+                                           + j * bp.db_sj,
+                                       ds);
                     }
+                    if (p.has_softcap) {
+                        const Acc th = tanh_acc(raw * score.scale * score.inv_softcap);
+                        ds *= Acc(1) - th * th;  // d(c tanh(x / c)) / dx = 1 - tanh^2
+                    }
+                }
+                s = pe * z;  // P' = P z
+                dp = live ? ds : Acc(0);
+            }, dp_t);
         } else {
             // Whether score (query i0 + c, key j) survives the lengths and the band:
             auto kept = [&](int c, int j) {
@@ -480,15 +463,16 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                 if constexpr (WG) {
                     wgmma_wait<1>();  // S^T has landed; dP^T may still run
                     fence_regs(s_t[0]);
-                    each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc&, int c, int j) { exponentiate(FAST, s, c, j); });
+                    each_element(s_t, r0, 0, t, [&](Acc& s, int j, int c) { exponentiate(FAST, s, c, j); });
                     wgmma_wait<0>();
                     fence_regs(dp_t[0]);
-                    each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc& dp, int c, int j) { differentiate(FAST, s, dp, c, j); });
+                    each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) { differentiate(FAST, s, dp, c, j); },
+                                 dp_t);
                 } else {
-                    each_score(s_t, dp_t, r0, t, [&](Acc& s, Acc& dp, int c, int j) {
+                    each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
                         exponentiate(FAST, s, c, j);
                         differentiate(FAST, s, dp, c, j);
-                    });
+                    }, dp_t);
                 }
             };
             if (fast)

@@ -136,16 +136,18 @@ __device__ __forceinline__ bool tile_live(const Params& p, const HeadView& hv, i
     return live;
 }
 
-// f(x, i, j) on each element x of a (16 MI, 8 NP) accumulator tile whose rows are
-// r0 + 8 x (x = 2 mi + (e >> 1)) and columns jt0 + 8 n + 2 t + (e & 1).
-template <typename Acc, int MI, int NP, typename F>
-__device__ __forceinline__ void each_element(Acc (&s)[MI][NP][4], int r0, int jt0, int t, F f) {
+// f(x, y..., i, j) on each element of one or more (16 MI, 8 NP) accumulator tiles in
+// flash_mma.cuh's layout: x, y... the tiles' elements at row i = r0 + 16 mi + 8 (e >> 1)
+// and column j = jt0 + 8 n + 2 t + (e & 1).
+template <typename Acc, int MI, int NP, typename F, typename... More>
+__device__ __forceinline__ void each_element(Acc (&s)[MI][NP][4], int r0, int jt0, int t, F f, More&... more) {
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int n = 0; n < NP; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) f(s[mi][n][e], r0 + 16 * mi + 8 * (e >> 1), jt0 + 8 * n + 2 * t + (e & 1));
+            for (int e = 0; e < 4; ++e)
+                f(s[mi][n][e], more[mi][n][e]..., r0 + 16 * mi + 8 * (e >> 1), jt0 + 8 * n + 2 * t + (e & 1));
 }
 
 // Everything a thread needs to turn raw products q.k into log2-domain scores.
