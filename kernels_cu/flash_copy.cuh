@@ -90,6 +90,24 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 stride, in
                                               [smem](int r, int c) { return smem + r * LD + c * VEC; });
 }
 
+// row[col] = a and row[col + 1] = b, converted to T, each only below cols: one store of
+// both where `paired` (the row's even columns start pairs aligned for a two-element store)
+// and both land, else one store each. Output rows leave the kernels this way: a warp's
+// 2-byte stores to 8 rows reach each 32-byte sector in pieces, which at L = 1024 cost the
+// forward 5-15% (H100, bench/NOTES.md).
+template <typename T, typename Acc>
+__device__ __forceinline__ void store_pair(T* row, int col, int cols, Acc a, Acc b, bool paired) {
+    struct alignas(2 * sizeof(T)) Two {
+        T x, y;
+    };
+    if (paired && col + 1 < cols) {
+        *reinterpret_cast<Two*>(row + col) = Two{static_cast<T>(a), static_cast<T>(b)};
+    } else {
+        if (col < cols) row[col] = static_cast<T>(a);
+        if (col + 1 < cols) row[col + 1] = static_cast<T>(b);
+    }
+}
+
 // A (ROWS, COLS) tile with rows padded by one 16-byte chunk (row pitch LD elements), so
 // that ldmatrix's and scalar loads' 8 rows fall on distinct banks.
 template <typename T, int ROWS, int COLS>

@@ -387,6 +387,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     cp_async_wait<0>();  // a block that attended no tile still waits for its Q copy
 
     // Epilogue: O / l (times 1 / (1 - dropout_p)); rows with l = 0 saw no key: 0 and lse -inf.
+    // Two neighbouring columns go out in one store where every row keeps the pair aligned.
+    const bool paired = p.o_sr % 2 == 0 && reinterpret_cast<u64>(gO) % (2 * sizeof(T)) == 0;
 #pragma unroll
     for (int r = 0; r < 2 * MI; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -399,12 +401,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
         T* orow = gO + i * p.o_sr;
 #pragma unroll
         for (int n = 0; n < NO; ++n) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int col = 8 * n + 2 * t + c;
-                // A select, not a product: 0 * NaN from masked NaN values must not reach a dead row.
-                if (col < dv_valid) orow[col] = static_cast<T>(live ? o[r >> 1][n][2 * (r & 1) + c] * inv : Acc(0));
-            }
+            // A select, not a product: 0 * NaN from masked NaN values must not reach a dead row.
+            const Acc* on = &o[r >> 1][n][2 * (r & 1)];
+            store_pair(orow, 8 * n + 2 * t, dv_valid, live ? on[0] * inv : Acc(0), live ? on[1] * inv : Acc(0), paired);
         }
         if (chunk == 0 && t == 0) {
             // lse = ln(sum exp(s)) = (m + log2 l) ln 2 in the log2 domain: m / log2(e) + ln l.
