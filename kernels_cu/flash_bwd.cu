@@ -234,7 +234,6 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
     T* gdQ = static_cast<T*>(bp.dq) + (packed ? hv.q_start * bp.dq_sr : hv.b * bp.dq_sb) + hv.h * bp.dq_sh;
     const Acc scale = static_cast<Acc>(p.scale);
     const int cols = min(CH, bp.d_true - c0);
-    const bool paired = bp.dq_sr % 2 == 0 && reinterpret_cast<u64>(gdQ + c0) % (2 * sizeof(T)) == 0;
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
         const int i = r0 + 8 * x;
@@ -244,7 +243,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
 #pragma unroll
         for (int n = 0; n < NC; ++n)
             store_pair(row, 8 * n + 2 * t, cols, live ? dq[0][n][2 * x] * scale : Acc(0),
-                       live ? dq[0][n][2 * x + 1] * scale : Acc(0), paired);
+                       live ? dq[0][n][2 * x + 1] * scale : Acc(0), bp.dq_sr % 2 == 0);
     }
 }
 
@@ -550,22 +549,33 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     const i64 dv_off = (packed ? hv0.k_start * bp.dv_sr : b * bp.dv_sb) + hk * bp.dv_sh;
     const Acc scale = static_cast<Acc>(p.scale);
     const int k_cols = min(CH, bp.d_true - c0), v_cols = min(CH, p.dv - c0);
-    T* gdK = static_cast<T*>(bp.dk) + dk_off + c0;
-    T* gdV = static_cast<T*>(bp.dv) + dv_off + c0;
-    const bool k_paired = bp.dk_sr % 2 == 0 && reinterpret_cast<u64>(gdK) % (2 * sizeof(T)) == 0;
-    const bool v_paired = bp.dv_sr % 2 == 0 && reinterpret_cast<u64>(gdV) % (2 * sizeof(T)) == 0;
 #pragma unroll
     for (int x = 0; x < 2 * MI; ++x) {  // keys r0 + 8 x: row group x / 2, upper half x % 2
         const int j = r0 + 8 * x, mi = x >> 1, e0 = 2 * (x & 1);
         if (j >= frame_keys) continue;
         const bool live = j < hv0.kv_len;
+        T* krow = static_cast<T*>(bp.dk) + dk_off + j * bp.dk_sr + c0;
+        T* vrow = static_cast<T*>(bp.dv) + dv_off + j * bp.dv_sr + c0;
 #pragma unroll
         for (int n = 0; n < NC; ++n) {
-            const Acc* kn = &dk[mi][n][e0];
-            const Acc* vn = &dv[mi][n][e0];
-            store_pair(gdK + j * bp.dk_sr, 8 * n + 2 * t, k_cols, live ? kn[0] * scale : Acc(0),
-                       live ? kn[1] * scale : Acc(0), k_paired);
-            store_pair(gdV + j * bp.dv_sr, 8 * n + 2 * t, v_cols, live ? vn[0] : Acc(0), live ? vn[1] : Acc(0), v_paired);
+            if constexpr (sizeof(T) < 8) {
+                // dk, dv: the backend's own 256-byte aligned buffers, so an even row stride
+                // keeps every pair aligned.
+                const Acc* kn = &dk[mi][n][e0];
+                const Acc* vn = &dv[mi][n][e0];
+                store_pair(krow, 8 * n + 2 * t, k_cols, live ? kn[0] * scale : Acc(0), live ? kn[1] * scale : Acc(0),
+                           bp.dk_sr % 2 == 0);
+                store_pair(vrow, 8 * n + 2 * t, v_cols, live ? vn[0] : Acc(0), live ? vn[1] : Acc(0), bp.dv_sr % 2 == 0);
+            } else {
+                // float64: one element at a time; its full-pipeline kernel on sm_86/89 has no
+                // register to spare for the pairs.
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = 8 * n + 2 * t + c;
+                    if (col < k_cols) krow[col] = static_cast<T>(live ? dk[mi][n][e0 + c] * scale : Acc(0));
+                    if (col < v_cols) vrow[col] = static_cast<T>(live ? dv[mi][n][e0 + c] : Acc(0));
+                }
+            }
         }
     }
 }
