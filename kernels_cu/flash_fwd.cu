@@ -94,16 +94,14 @@ struct OnlineSoftmax {
         Acc row_max[2 * MI];
 #pragma unroll
         for (int x = 0; x < 2 * MI; ++x) row_max[x] = neg_inf<Acc>();
+        // Walked with row 0 and column 0 at the thread's first element, each_element's row
+        // i = 16 mi + 8 (e >> 1) is 8 x for the thread's row x (a constant once unrolled).
+        auto fold_max = [&](Acc& s, int i, int) { row_max[i / 8] = max_acc(row_max[i / 8], s); };
         if (plain && jt1 - jt0 == 8 * NP && tile_inside_band(p, hv, i0, i1, jt0, jt1)) {
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int n = 0; n < NP; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        sp[mi][n][e] *= score.scale_log2;  // S = scale * log2(e) * Q K^T
-                        row_max[2 * mi + (e >> 1)] = max_acc(row_max[2 * mi + (e >> 1)], sp[mi][n][e]);
-                    }
+            each_element(sp, 0, 0, 0, [&](Acc& s, int i, int j) {
+                s *= score.scale_log2;  // S = scale * log2(e) * Q K^T
+                fold_max(s, i, j);
+            });
         } else {
             // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
             // discarded: both masked, the latter before any mask or bias read.
@@ -115,13 +113,7 @@ struct OnlineSoftmax {
                     s = j < jt1 && i < hv.q_len && (!band || in_band(p, hv, i, j)) ? s * score.scale_log2 : neg_inf<Acc>();
                 });
             }
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int n = 0; n < NP; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        row_max[2 * mi + (e >> 1)] = max_acc(row_max[2 * mi + (e >> 1)], sp[mi][n][e]);
+            each_element(sp, 0, 0, 0, fold_max);
         }
         Acc m_safe[2 * MI];
 #pragma unroll
