@@ -1,7 +1,7 @@
 // FlashAttention backward: gradients recomputed tile by tile from Q, K, V, dO and the
 // forward's log-sum-exp; no attention matrix is ever stored.
 //
-//   flash_bwd_delta  D_i = sum_d dO_id O_id, one warp per row.
+//   flash_bwd_delta  D_i = sum_d dO_id O_id, 8 lanes per row; zeroes dQ's accumulator.
 //   flash_bwd_dq     query-major, like the forward: per key tile S = Q K^T, P = exp(S - lse),
 //                    dP = dO V^T, dS = P (dP z - D), dQ += dS K, with z = keep / (1 - p).
 //   flash_bwd_dkdv   key-major: warps own key rows, so S^T = K Q^T and dP^T = V dO^T come out
@@ -55,13 +55,21 @@ __host__ __device__ constexpr int dq_slices(int most, int width, int align) {
     return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
 }
 
+// What dQ's accumulator (FUSED_DQ) holds: dQ itself where dQ has the accumulator's type
+// (float32, float64; the backend then points it at dQ wherever the layouts agree, even head
+// dims, and no conversion pass runs), else dQ / scale, which flash_bwd_dq_convert scales
+// once (the 16-bit dS K sums stay as FlashAttention-2 rounds them).
+template <typename T, typename Acc> constexpr bool kDqAccumScaled = sizeof(T) == sizeof(Acc);
+
 // A dQ tile's share of this thread, rows row0 + g and row0 + g + 8 (those below i1) and
 // the accumulator layout's column pairs (2t, 2t + 1) of N tiles from column col, added
-// into gdQa (row stride sr) by atomics. d_true is even or the pair's second column is
-// padding of the accumulator (its row stride is the padded width, even).
-template <typename Acc, int N>
+// into gdQa (row stride sr) by atomics, times `scale` where SCALED (a double from the
+// parameter block, multiplied in double: a float copy stays live in a register, and at
+// D = 96 that spilled 3xTF32's kernel on sm_80). d_true is even or the pair's second column
+// is padding of the accumulator (its row stride is the padded width, even).
+template <bool SCALED, typename Acc, int N>
 __device__ __forceinline__ void add_dq_tile(Acc* gdQa, i64 sr, const Acc (&dq)[1][N][4], int row0, int i1, int col,
-                                            int d_true) {
+                                            int d_true, const double& scale) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
@@ -69,8 +77,12 @@ __device__ __forceinline__ void add_dq_tile(Acc* gdQa, i64 sr, const Acc (&dq)[1
         if (i >= i1) continue;
         Acc* row = gdQa + i * sr + col + 2 * t;
 #pragma unroll
-        for (int n = 0; n < N; ++n)
-            if (col + 8 * n + 2 * t < d_true) acc_atomic_add2(row + 8 * n, dq[0][n][2 * x], dq[0][n][2 * x + 1]);
+        for (int n = 0; n < N; ++n) {
+            if (col + 8 * n + 2 * t >= d_true) continue;
+            const Acc a = dq[0][n][2 * x], b = dq[0][n][2 * x + 1];
+            acc_atomic_add2(row + 8 * n, SCALED ? static_cast<Acc>(a * scale) : a,
+                            SCALED ? static_cast<Acc>(b * scale) : b);
+        }
     }
 }
 
@@ -81,12 +93,40 @@ __device__ __forceinline__ i64 row_offset(bool packed, i64 b, i64 h, i64 row, i6
     return (packed ? 0 : b * sb) + h * sh + row * sr;
 }
 
-// One query row per warp, 4 per block (flash_bwd_delta, flash_bwd_dq_convert): its head
-// view, position i inside the sequence and stored row (packed: offset by q_start).
+// The row passes (flash_bwd_delta, flash_bwd_dq_convert): ROW_LANES lanes per query row,
+// ROW_PASS_ROWS rows per 128-thread block (the backend's grid counts the same). Each lane
+// takes the 16-byte chunks ROW_LANES apart along the row, so a row's lanes read whole
+// 128-byte lines: one warp per row with an element per lane read 2 of every 16 bytes per
+// load at D = 64 (fp16), and left three quarters of the warp idle.
+constexpr int ROW_LANES = 8, ROW_PASS_ROWS = 128 / ROW_LANES;
+
+// Sum of `x` over the ROW_LANES lanes of this thread's row (lanes of one row exit together).
+template <typename Acc> __device__ __forceinline__ Acc row_sum(Acc x) {
+    const unsigned lanes = ((1u << ROW_LANES) - 1) << (threadIdx.x & 31 & ~(ROW_LANES - 1));
+#pragma unroll
+    for (int m = ROW_LANES / 2; m > 0; m >>= 1) x += __shfl_xor_sync(lanes, x, m);
+    return x;
+}
+
+// N elements of E starting 16-byte aligned: loaded and stored as whole 16-byte words.
+template <typename E, int N> struct alignas(16) Chunk {
+    static_assert(N * sizeof(E) % 16 == 0, "whole 16-byte words");
+    E v[N];
+};
+
+// One 16-byte store (a Chunk<T, VEC> or a uint4 of converted elements went out in 4-byte
+// or smaller pieces: NVRTC splits the aggregate before choosing the instruction).
+__device__ __forceinline__ void store_16(void* dst, uint4 w) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+                 : "memory");
+}
+
+// Query row task of a row pass: its head view, position i inside the sequence, stored row
+// (packed: offset by q_start) and this thread's lane within the row.
 struct RowTask {
     HeadView hv;
     bool packed;
-    int i;
+    int i, lane;
     i64 row;
     __device__ __forceinline__ i64 offset(i64 sb, i64 sh, i64 sr) const {  // of this row: row_offset
         return row_offset(packed, hv.b, hv.h, row, sb, sh, sr);
@@ -97,29 +137,50 @@ __device__ __forceinline__ bool row_task(const Params& p, RowTask& rt) {
     if (bh >= p.batch * p.hq) return false;
     rt.hv = head_view(p, bh);
     rt.packed = p.cu_seqlens_q != nullptr;
-    rt.i = blockIdx.x * 4 + threadIdx.x / 32;
+    rt.i = blockIdx.x * ROW_PASS_ROWS + threadIdx.x / ROW_LANES;
+    rt.lane = threadIdx.x % ROW_LANES;
     rt.row = rt.packed ? rt.hv.q_start + rt.i : rt.i;
     return rt.i < (rt.packed ? rt.hv.q_len : p.lq);
 }
 
 // ------------------------------------------------------------------ D = rowsum(dO * O)
+// Also lse2 = lse log2(e), and (fused dQ) the row of dQ's accumulator zeroed, which the
+// dK/dV kernel then adds into.
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(128) flash_bwd_delta(const BwdParams bp) {
+    constexpr int VEC = 16 / sizeof(T), VACC = 16 / sizeof(Acc);
     const Params& p = bp.f;
-    const int lane = threadIdx.x & 31;
     RowTask rt;
     if (!row_task(p, rt)) return;
     const bool live = rt.i < rt.hv.q_len;  // rows past q_len (inside the padded frame) get 0
+    // dO and O rows: 16-byte aligned, dv_stored long (padding columns hold zeros; skipped anyway)
     const T* gdo = static_cast<const T*>(bp.dout) + rt.offset(bp.do_sb, bp.do_sh, bp.do_sr);
     const T* go = static_cast<const T*>(bp.out) + rt.offset(bp.out_sb, bp.out_sh, bp.out_sr);
     Acc sum = Acc(0);
-    for (int d = lane; d < p.dv; d += 32) sum += widen(gdo[d]) * widen(go[d]);
+    for (int d0 = VEC * rt.lane; d0 < p.dv; d0 += VEC * ROW_LANES) {
+        const Chunk<T, VEC> a = *reinterpret_cast<const Chunk<T, VEC>*>(gdo + d0);
+        const Chunk<T, VEC> b = *reinterpret_cast<const Chunk<T, VEC>*>(go + d0);
 #pragma unroll
-    for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
-    if (lane == 0) {
+        for (int e = 0; e < VEC; ++e)
+            if (d0 + e < p.dv) sum += widen(a.v[e]) * widen(b.v[e]);
+    }
+    sum = row_sum(sum);
+    if (rt.lane == 0) {
         const i64 stat = rt.offset(p.lse_sb, p.lse_sh, 1);
         static_cast<Acc*>(bp.delta)[stat] = live ? sum : Acc(0);
         static_cast<Acc*>(bp.lse2)[stat] = live ? lse_log2(static_cast<const Acc*>(p.lse)[stat]) : Acc(0);
+    }
+    if (bp.dq_accum != nullptr) {  // its columns: d_true rounded up to even (the atomics add pairs)
+        Acc* acc = static_cast<Acc*>(bp.dq_accum) + rt.offset(bp.dqa_sb, bp.dqa_sh, bp.dqa_sr);
+        const int cols = bp.d_true + (bp.d_true & 1);
+        const bool words = (bp.dqa_sb | bp.dqa_sh | bp.dqa_sr) % VACC == 0;  // rows start 16-byte aligned
+        for (int c = VACC * rt.lane; c < cols; c += VACC * ROW_LANES) {
+            if (words && c + VACC <= cols) {
+                *reinterpret_cast<Chunk<Acc, VACC>*>(acc + c) = Chunk<Acc, VACC>{};
+            } else {
+                for (int e = c; e < min(c + VACC, cols); ++e) acc[e] = Acc(0);
+            }
+        }
     }
 }
 
@@ -251,7 +312,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
 // FULL compiles bias (and dbias), ALiBi, softcap, masks, block mask and dropout, as in the
 // forward; without it only causal, window and lengths remain.
 // FUSED_DQ: dQ += dS K for this block's keys goes through shared memory and atomics into
-// bp.dq_accum (the fast path; flash_bwd_dq_convert scales and converts it afterwards).
+// bp.dq_accum (the fast path; flash_bwd_dq_convert converts it afterwards, where needed).
 // Otherwise flash_bwd_dq computes dQ on its own, in a fixed order. STAGES (1 or 2): shared-
 // memory stages of the streamed Q, dO and statistics; with two, the next tile's copies run
 // during the current tile's products.
@@ -509,7 +570,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
             fence_regs(dq[0]);
             fence_regs(pf[0]);
             fence_regs(dsf[0]);
-            add_dq_tile(gdQa, bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4), i1, col0, bp.d_true);
+            add_dq_tile<kDqAccumScaled<T, Acc>>(gdQa, bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4), i1, col0, bp.d_true,
+                                                p.scale);
         } else {
             typename Policy::template PFrag<BLOCK_C> pf;
             Policy::template pack_p<BLOCK_C>(s_t, pf);
@@ -531,7 +593,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                         One::template load_pt<KC, LDS>(sdS + k0 * LDS + 16 * rg, ds);  // dS (16 queries, KC keys)
                         One::template pv<KC, NQ, LD>(ds, sK + k0 * LD + c0 + n0, dq);
                     }
-                    add_dq_tile(gdQa, bp.dqa_sr, dq, i0 + 16 * rg, i1, c0 + n0, bp.d_true);
+                    add_dq_tile<kDqAccumScaled<T, Acc>>(gdQa, bp.dqa_sr, dq, i0 + 16 * rg, i1, c0 + n0, bp.d_true,
+                                                        p.scale);
                 }
             }
         }
@@ -580,19 +643,39 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     }
 }
 
-// ------------------------------------------------------------------ dQ = scale * dq_accum
-// After a FUSED_DQ flash_bwd_dkdv: one warp per row, like flash_bwd_delta.
+// ------------------------------------------------------------------ dQ from its accumulator
+// After a FUSED_DQ flash_bwd_dkdv whose accumulator is not dQ itself (16-bit dQ: scaled
+// and rounded; float32/float64 with odd head dims: copied without the padding column).
+// ROW_LANES lanes per row, like flash_bwd_delta; a lane
+// converts VEC columns at a time (one 16-byte store) where dQ's and the accumulator's rows
+// start aligned, one column at a time otherwise and on the row's last partial chunk.
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(128) flash_bwd_dq_convert(const BwdParams bp) {
+    constexpr int VEC = 16 / sizeof(T);
     const Params& p = bp.f;
-    const int lane = threadIdx.x & 31;
     RowTask rt;
     if (!row_task(p, rt)) return;
     const bool live = rt.i < rt.hv.q_len;
     const Acc* acc = static_cast<const Acc*>(bp.dq_accum) + rt.offset(bp.dqa_sb, bp.dqa_sh, bp.dqa_sr);
     T* dq = static_cast<T*>(bp.dq) + rt.offset(bp.dq_sb, bp.dq_sh, bp.dq_sr);
-    const Acc scale = static_cast<Acc>(p.scale);
-    for (int d = lane; d < bp.d_true; d += 32) dq[d] = static_cast<T>(live ? acc[d] * scale : Acc(0));
+    const Acc scale = kDqAccumScaled<T, Acc> ? Acc(1) : static_cast<Acc>(p.scale);
+    // VEC accumulators are 16 bytes or a multiple of them
+    const bool words = (bp.dq_sb | bp.dq_sh | bp.dq_sr) % VEC == 0
+                       && (bp.dqa_sb | bp.dqa_sh | bp.dqa_sr) * static_cast<i64>(sizeof(Acc)) % 16 == 0;
+    for (int c = VEC * rt.lane; c < bp.d_true; c += VEC * ROW_LANES) {
+        if (words && c + VEC <= bp.d_true) {
+            const Chunk<Acc, VEC> a = *reinterpret_cast<const Chunk<Acc, VEC>*>(acc + c);
+            union {
+                T v[VEC];
+                uint4 word;
+            } out;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) out.v[e] = static_cast<T>(live ? a.v[e] * scale : Acc(0));
+            store_16(dq + c, out.word);
+        } else {
+            for (int e = c; e < min(c + VEC, bp.d_true); ++e) dq[e] = static_cast<T>(live ? acc[e] * scale : Acc(0));
+        }
+    }
 }
 
 }  // namespace flash

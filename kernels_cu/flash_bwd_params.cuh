@@ -15,7 +15,8 @@ struct BwdParams {
     void* dk;                  // like k
     void* dv;                  // like v
     void* dbias;               // accumulator-dtype buffer, strided by db_* (0 on reduced dims); or nullptr
-    void* dq_accum;            // accumulator-dtype dQ / scale, zeroed, strided by dqa_* (packed: dqa_sb unused);
+    void* dq_accum;            // accumulator-dtype dQ (float32/float64) or dQ / scale (16-bit), zeroed by
+                               // flash_bwd_delta, strided by dqa_* (packed: dqa_sb unused);
                                // nullptr when dQ has its own kernel (deterministic)
     void* lse2;                // lse * log2(e), 0 where lse = -inf: written by flash_bwd_delta, laid out like lse
     i64 do_sb, do_sh, do_sr;

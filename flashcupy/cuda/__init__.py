@@ -19,7 +19,7 @@ from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
 from .compile import forward_function, get_function
-from .spec import needs_full, select_backward, select_forward
+from .spec import ROW_PASS_ROWS, needs_full, select_backward, select_forward
 
 #: Fill outputs with NaN before each launch (tests set it) so unwritten elements show.
 poison_outputs = False
@@ -287,8 +287,14 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         dk = _empty(pb.k.shape, pb.dtype, xp)
         dv = _empty(pb.v.shape, pb.dtype, xp)
         grads = {"dq": dq, "dk": dk, "dv": dv}
-        if spec.fused_dq:  # dS K / scale, added up by atomics in column pairs: (..., rows, D rounded up to even)
-            grads["dqa"] = xp.zeros(pb.q.shape[:-1] + (-(-pb.head_dim // 2) * 2,), dtype=acc)
+        # The fused dQ's accumulator (flash_bwd.cu, kDqAccumScaled): atomics add column pairs
+        # into (..., rows, D rounded up to even), zeroed by flash_bwd_delta. With dQ's own
+        # dtype and an even D that is dQ itself, and no conversion pass runs.
+        dq_is_accum = spec.fused_dq and acc == pb.dtype and pb.head_dim % 2 == 0
+        if dq_is_accum:
+            grads["dqa"] = dq
+        elif spec.fused_dq:
+            grads["dqa"] = _empty(pb.q.shape[:-1] + (-(-pb.head_dim // 2) * 2,), acc, xp)
         dq_accum = grads["dqa"].data.ptr if spec.fused_dq else 0
         operands = (pb.q, pb.k, pb.v, dout, out)
         key = _layout_key(pb, device_id, operands, spec)
@@ -318,7 +324,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
                 _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS))
         batch = math.prod(pb.batch)
         heads, kv_heads = batch * pb.num_heads_q, batch * pb.num_heads_k
-        row_grid = _grid(-(-pb.seqlen_q // 4), heads)  # delta and the dQ converter: 4 rows per block
+        row_grid = _grid(-(-pb.seqlen_q // ROW_PASS_ROWS), heads)  # flash_bwd_delta and the dQ converter
         (delta_name, _), (dkdv_name, dkdv_smem), (dq_name, dq_smem) = spec.kernels
         if heads and pb.seqlen_q:
             get_function("backward", delta_name, device_id)(row_grid, (128,), (bparams,))
@@ -327,7 +333,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             get_function("backward", dkdv_name, device_id, dkdv_smem)(
                 _grid(-(-pb.seqlen_k // spec.block_r) * chunks, kv_heads), (spec.threads,), (bparams,),
                 shared_mem=dkdv_smem)
-        if heads and pb.seqlen_q:
+        if heads and pb.seqlen_q and not dq_is_accum:
             dq_grid = row_grid if spec.fused_dq else _grid(
                 -(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.dq_chunk), heads)
             get_function("backward", dq_name, device_id, dq_smem)(

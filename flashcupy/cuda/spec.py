@@ -205,13 +205,18 @@ def needs_full(bias: bool, mask: bool, block_mask: bool, alibi: bool, softcap: b
     """Whether a call needs the full score pipeline (anything beyond causal, window, lengths)."""
     return bias or mask or block_mask or alibi or softcap or dropout
 
+#: Query rows per 128-thread block of the backward's row passes (flash_bwd_delta,
+#: flash_bwd_dq_convert): flash_bwd.cu's ROW_PASS_ROWS, 8 lanes a row.
+ROW_PASS_ROWS = 16
+
 
 @dataclass(frozen=True)
 class BackwardSpec:
     """The backward kernels of one problem (kernels_cu/flash_bwd.cu) and their tiles.
 
-    ``fused_dq``: flash_bwd_dkdv also adds dS K into a zeroed accumulator-dtype buffer
-    through atomics and flash_bwd_dq_convert scales it into dQ; otherwise (deterministic)
+    ``fused_dq``: flash_bwd_dkdv also adds dS K into an accumulator-dtype buffer (zeroed
+    by flash_bwd_delta) through atomics, and flash_bwd_dq_convert turns it into dQ, unless
+    the buffer is dQ itself (float32 and float64 at even head dims); otherwise (deterministic)
     flash_bwd_dq recomputes the scores query-major and writes dQ in a fixed order.
     """
 
@@ -331,6 +336,12 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
     # (block_r, block_c, 16-key groups per warp of the dK/dV kernel)
     tiles = ((64, 16, 1), (32, 16, 1), (16, 16, 1)) if wide else (
         (64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))
+    # 3xTF32 at D <= 64 (plain kernels): 128 keys x 64 queries, 8 warps, where two stages fit
+    # (H100, L = 1024 / 4096: 1.58-1.59x SDPA-efficient non-causal against 1.45-1.50x with 64
+    # x 32; 128 x 32 and 64 x 64 alone were slower: bench/NOTES.md, session 10)
+    x3_wide = policy == "tf32x3" and hd <= 64 and not full and not deterministic
+    if x3_wide:
+        tiles = ((128, 64, 1),) + tiles
     if policy == "mma16" and not deterministic:
         # 128 keys a block share each streamed tile (fewer dQ atomics per key); 64 queries
         # per tile, or two key groups per warp (D <= 32), only where S and dP of that size
@@ -373,6 +384,8 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
         # A second stage of the streamed tiles only while as many blocks fit on an SM as its
         # registers allow (these kernels take up to 255 a thread: 256 threads fill the file).
         if max(1, 256 // spec.threads) * spec.smem_bytes > smem_limit:
+            if x3_wide and (block_r, block_c) == (128, 64):
+                continue  # its gain was measured with two stages only
             spec = dataclasses.replace(spec, stages=1)
         if spec.smem_bytes <= smem_limit:
             return spec
