@@ -55,11 +55,13 @@ __host__ __device__ constexpr int dq_slices(int most, int width, int align) {
     return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
 }
 
-// What dQ's accumulator (FUSED_DQ) holds: dQ itself where dQ has the accumulator's type
-// (float32, float64; the backend then points it at dQ wherever the layouts agree, even head
-// dims, and no conversion pass runs), else dQ / scale, which flash_bwd_dq_convert scales
-// once (the 16-bit dS K sums stay as FlashAttention-2 rounds them).
-template <typename T, typename Acc> constexpr bool kDqAccumScaled = sizeof(T) == sizeof(Acc);
+// What dQ's accumulator (FUSED_DQ) holds: dQ itself for float64 and for float32 up to
+// HD = 64 (the backend then points it at dQ wherever the layouts agree, even head dims,
+// and no conversion pass runs), else dQ / scale, which flash_bwd_dq_convert scales once
+// (the 16-bit dS K sums stay as FlashAttention-2 rounds them). float32 above 64: the
+// factor, multiplied in double (below), cost the D = 128 backward 6-8% on the H100.
+template <typename T, typename Acc, int HD>
+constexpr bool kDqAccumScaled = sizeof(T) == sizeof(Acc) && (sizeof(T) == 8 || HD <= 64);
 
 // A dQ tile's share of this thread, rows row0 + g and row0 + g + 8 (those below i1) and
 // the accumulator layout's column pairs (2t, 2t + 1) of N tiles from column col, added
@@ -570,7 +572,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
             fence_regs(dq[0]);
             fence_regs(pf[0]);
             fence_regs(dsf[0]);
-            add_dq_tile<kDqAccumScaled<T, Acc>>(gdQa, bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4), i1, col0, bp.d_true,
+            add_dq_tile<kDqAccumScaled<T, Acc, HD>>(gdQa, bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4), i1, col0, bp.d_true,
                                                 p.scale);
         } else {
             typename Policy::template PFrag<BLOCK_C> pf;
@@ -593,7 +595,7 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                         One::template load_pt<KC, LDS>(sdS + k0 * LDS + 16 * rg, ds);  // dS (16 queries, KC keys)
                         One::template pv<KC, NQ, LD>(ds, sK + k0 * LD + c0 + n0, dq);
                     }
-                    add_dq_tile<kDqAccumScaled<T, Acc>>(gdQa, bp.dqa_sr, dq, i0 + 16 * rg, i1, c0 + n0, bp.d_true,
+                    add_dq_tile<kDqAccumScaled<T, Acc, HD>>(gdQa, bp.dqa_sr, dq, i0 + 16 * rg, i1, c0 + n0, bp.d_true,
                                                         p.scale);
                 }
             }
@@ -649,7 +651,8 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
 // ROW_LANES lanes per row, like flash_bwd_delta; a lane
 // converts VEC columns at a time (one 16-byte store) where dQ's and the accumulator's rows
 // start aligned, one column at a time otherwise and on the row's last partial chunk.
-template <typename T, typename Acc>
+// SCALED: the accumulator holds dQ itself (kDqAccumScaled of the dK/dV kernel before it).
+template <typename T, typename Acc, bool SCALED>
 __global__ void __launch_bounds__(128) flash_bwd_dq_convert(const BwdParams bp) {
     constexpr int VEC = 16 / sizeof(T);
     const Params& p = bp.f;
@@ -658,7 +661,7 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_convert(const BwdParams bp) 
     const bool live = rt.i < rt.hv.q_len;
     const Acc* acc = static_cast<const Acc*>(bp.dq_accum) + rt.offset(bp.dqa_sb, bp.dqa_sh, bp.dqa_sr);
     T* dq = static_cast<T*>(bp.dq) + rt.offset(bp.dq_sb, bp.dq_sh, bp.dq_sr);
-    const Acc scale = kDqAccumScaled<T, Acc> ? Acc(1) : static_cast<Acc>(p.scale);
+    const Acc scale = SCALED ? Acc(1) : static_cast<Acc>(p.scale);
     // VEC accumulators are 16 bytes or a multiple of them
     const bool words = (bp.dq_sb | bp.dq_sh | bp.dq_sr) % VEC == 0
                        && (bp.dqa_sb | bp.dqa_sh | bp.dqa_sr) * static_cast<i64>(sizeof(Acc)) % 16 == 0;

@@ -289,8 +289,8 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         grads = {"dq": dq, "dk": dk, "dv": dv}
         # The fused dQ's accumulator (flash_bwd.cu, kDqAccumScaled): atomics add column pairs
         # into (..., rows, D rounded up to even), zeroed by flash_bwd_delta. With dQ's own
-        # dtype and an even D that is dQ itself, and no conversion pass runs.
-        dq_is_accum = spec.fused_dq and acc == pb.dtype and pb.head_dim % 2 == 0
+        # dtype, an even D and spec.dq_accum_scaled that is dQ itself, and no conversion pass runs.
+        dq_is_accum = spec.fused_dq and spec.dq_accum_scaled and pb.head_dim % 2 == 0
         if dq_is_accum:
             grads["dqa"] = dq
         elif spec.fused_dq:

@@ -250,9 +250,15 @@ class BackwardSpec:
         policy = POLICIES[self.policy][0](t, mi)
         return f"flash::{name}<{', '.join((t, policy, str(self.head_dim), str(chunk), str(self.block_r), str(self.block_c)) + extra)}>"
 
-    def _acc_kernel(self, name: str) -> str:
+    def _acc_kernel(self, name: str, *extra: str) -> str:
         t = CXX_TYPE[self.dtype]
-        return f"flash::{name}<{t}, {'double' if t == 'double' else 'float'}>"
+        return f"flash::{name}<{', '.join((t, 'double' if t == 'double' else 'float', *extra))}>"
+
+    @property
+    def dq_accum_scaled(self) -> bool:
+        """Whether the fused dQ's accumulator holds dQ itself, not dQ / scale (flash_bwd.cu's
+        kDqAccumScaled): float64, and float32 up to a head dim of 64."""
+        return self.dtype == "float64" or (self.dtype == "float32" and self.head_dim <= 64)
 
     @property
     def delta_name(self) -> str:
@@ -261,7 +267,9 @@ class BackwardSpec:
     @property
     def dq_name(self) -> str:
         """The kernel that writes dQ: the converter when fused, else the query-major kernel."""
-        return self._acc_kernel("flash_bwd_dq_convert") if self.fused_dq else self._kernel("flash_bwd_dq",
+        if self.fused_dq:
+            return self._acc_kernel("flash_bwd_dq_convert", "true" if self.dq_accum_scaled else "false")
+        return self._kernel("flash_bwd_dq",
                                                                                           self.dq_chunk)
 
     @property
