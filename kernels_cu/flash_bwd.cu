@@ -110,11 +110,17 @@ template <typename Acc> __device__ __forceinline__ Acc row_sum(Acc x) {
     return x;
 }
 
-// N elements of E starting 16-byte aligned: loaded and stored as whole 16-byte words.
+// N elements of E starting 16-byte aligned, loaded as whole 16-byte words.
 template <typename E, int N> struct alignas(16) Chunk {
     static_assert(N * sizeof(E) % 16 == 0, "whole 16-byte words");
     E v[N];
 };
+
+// Whether every row of an array of E with element strides sb, sh, sr starts 16-byte aligned
+// (its base is: the backend's allocations and row operands are).
+template <typename E> __device__ __forceinline__ bool rows_aligned16(i64 sb, i64 sh, i64 sr) {
+    return (sb | sh | sr) % static_cast<i64>(16 / sizeof(E)) == 0;
+}
 
 // One 16-byte store (a Chunk<T, VEC> or a uint4 of converted elements went out in 4-byte
 // or smaller pieces: NVRTC splits the aggregate before choosing the instruction).
@@ -175,7 +181,7 @@ __global__ void __launch_bounds__(128) flash_bwd_delta(const BwdParams bp) {
     if (bp.dq_accum != nullptr) {  // its columns: d_true rounded up to even (the atomics add pairs)
         Acc* acc = static_cast<Acc*>(bp.dq_accum) + rt.offset(bp.dqa_sb, bp.dqa_sh, bp.dqa_sr);
         const int cols = bp.d_true + (bp.d_true & 1);
-        const bool words = (bp.dqa_sb | bp.dqa_sh | bp.dqa_sr) % VACC == 0;  // rows start 16-byte aligned
+        const bool words = rows_aligned16<Acc>(bp.dqa_sb, bp.dqa_sh, bp.dqa_sr);
         for (int c = VACC * rt.lane; c < cols; c += VACC * ROW_LANES) {
             if (words && c + VACC <= cols) {
                 *reinterpret_cast<Chunk<Acc, VACC>*>(acc + c) = Chunk<Acc, VACC>{};
@@ -646,12 +652,12 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
 }
 
 // ------------------------------------------------------------------ dQ from its accumulator
-// After a FUSED_DQ flash_bwd_dkdv whose accumulator is not dQ itself (16-bit dQ: scaled
-// and rounded; float32/float64 with odd head dims: copied without the padding column).
-// ROW_LANES lanes per row, like flash_bwd_delta; a lane
-// converts VEC columns at a time (one 16-byte store) where dQ's and the accumulator's rows
-// start aligned, one column at a time otherwise and on the row's last partial chunk.
-// SCALED: the accumulator holds dQ itself (kDqAccumScaled of the dK/dV kernel before it).
+// After a FUSED_DQ flash_bwd_dkdv whose accumulator is not dQ itself (16-bit dQ, and
+// float32 above HD = 64: scaled and rounded; otherwise odd head dims: copied without the
+// padding column). SCALED: the accumulator holds dQ itself (kDqAccumScaled of the dK/dV
+// kernel before it). ROW_LANES lanes per row, like flash_bwd_delta; a lane converts VEC
+// columns at a time (one 16-byte store) where dQ's and the accumulator's rows start
+// aligned, one column at a time otherwise and on the row's last partial chunk.
 template <typename T, typename Acc, bool SCALED>
 __global__ void __launch_bounds__(128) flash_bwd_dq_convert(const BwdParams bp) {
     constexpr int VEC = 16 / sizeof(T);
@@ -663,8 +669,8 @@ __global__ void __launch_bounds__(128) flash_bwd_dq_convert(const BwdParams bp) 
     T* dq = static_cast<T*>(bp.dq) + rt.offset(bp.dq_sb, bp.dq_sh, bp.dq_sr);
     const Acc scale = SCALED ? Acc(1) : static_cast<Acc>(p.scale);
     // VEC accumulators are 16 bytes or a multiple of them
-    const bool words = (bp.dq_sb | bp.dq_sh | bp.dq_sr) % VEC == 0
-                       && (bp.dqa_sb | bp.dqa_sh | bp.dqa_sr) * static_cast<i64>(sizeof(Acc)) % 16 == 0;
+    const bool words = rows_aligned16<T>(bp.dq_sb, bp.dq_sh, bp.dq_sr)
+                       && rows_aligned16<Acc>(bp.dqa_sb, bp.dqa_sh, bp.dqa_sr);
     for (int c = VEC * rt.lane; c < bp.d_true; c += VEC * ROW_LANES) {
         if (words && c + VEC <= bp.d_true) {
             const Chunk<Acc, VEC> a = *reinterpret_cast<const Chunk<Acc, VEC>*>(acc + c);

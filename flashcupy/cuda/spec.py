@@ -205,6 +205,7 @@ def needs_full(bias: bool, mask: bool, block_mask: bool, alibi: bool, softcap: b
     """Whether a call needs the full score pipeline (anything beyond causal, window, lengths)."""
     return bias or mask or block_mask or alibi or softcap or dropout
 
+
 #: Query rows per 128-thread block of the backward's row passes (flash_bwd_delta,
 #: flash_bwd_dq_convert): flash_bwd.cu's ROW_PASS_ROWS, 8 lanes a row.
 ROW_PASS_ROWS = 16
@@ -216,7 +217,7 @@ class BackwardSpec:
 
     ``fused_dq``: flash_bwd_dkdv also adds dS K into an accumulator-dtype buffer (zeroed
     by flash_bwd_delta) through atomics, and flash_bwd_dq_convert turns it into dQ, unless
-    the buffer is dQ itself (float32 and float64 at even head dims); otherwise (deterministic)
+    the buffer is dQ itself (``dq_accum_scaled`` at even head dims); otherwise (deterministic)
     flash_bwd_dq recomputes the scores query-major and writes dQ in a fixed order.
     """
 
@@ -269,8 +270,7 @@ class BackwardSpec:
         """The kernel that writes dQ: the converter when fused, else the query-major kernel."""
         if self.fused_dq:
             return self._acc_kernel("flash_bwd_dq_convert", "true" if self.dq_accum_scaled else "false")
-        return self._kernel("flash_bwd_dq",
-                                                                                          self.dq_chunk)
+        return self._kernel("flash_bwd_dq", self.dq_chunk)
 
     @property
     def dkdv_name(self) -> str:
