@@ -477,9 +477,9 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         // P' = P z into s_t and dS^T into dp_t, element by element. FAST (a full tile inside the
         // band, no score option): P = exp2(S * scale * log2(e) - lse2), nothing selected.
         // Otherwise masked scores and padding get P = 0 and dS = 0 by selection, whatever
-        // dP - D holds there (0 * an overflowed dP would be NaN). The fast tiles, nearly all of
-        // them, carry no per-element test (measured: bench/NOTES.md): each loop below is
-        // inlined twice, with a constant FAST.
+        // P and dP - D hold there (0 * an overflowed dP would be NaN). The fast tiles, nearly
+        // all of them, carry no per-element test (measured: bench/NOTES.md): the selecting
+        // loop is inlined twice, with a constant FAST.
         if constexpr (FULL) {  // one pass, one copy: a second spills beside the full pipeline (48 bytes at D = 128)
             // Rows of S^T are keys j, columns queries i0 + c.
             each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
@@ -511,41 +511,52 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                 dp = live ? ds : Acc(0);
             }, dp_t);
         } else {
-            // Whether score (query i0 + c, key j) survives the lengths and the band:
+            // Whether score (query i0 + c, key j) survives the lengths and the band (no
+            // branch: `&`, not `&&`):
             auto kept = [&](int c, int j) {
-                return i0 + c < i1 && j < j0 + keys_valid && (!band || in_band(p, hv, i0 + c, j));
+                return (i0 + c < i1) & (j < j0 + keys_valid) & score.in_band(i0 + c, j);
             };
-            auto exponentiate = [&](const bool FAST, Acc& s, int c, int j) {  // P^T = exp2(S^T scale log2(e) - lse2)
-                const Acc x = s * score.scale_log2 - sLset[c];
-                s = FAST || kept(c, j) ? softmax_exp2(x) : Acc(0);
-            };
-            auto differentiate = [&](const bool FAST, Acc s, Acc& dp, int c, int j) {  // dS^T = P^T (dP^T - D)
+            // P^T = exp2(S^T scale log2(e) - lse2) on every element, masked or not (the same
+            // code on every tile): a masked or padding score may overflow to inf here, and
+            // differentiate selects it away.
+            auto exponentiate = [&](Acc& s, int c) { s = softmax_exp2(s * score.scale_log2 - sLset[c]); };
+            // dS^T = P^T (dP^T - D); off the fast path, P and dS of the scores outside the
+            // lengths and the band are then 0 by selection, whatever inf or NaN they hold.
+            auto differentiate = [&](const bool FAST, Acc& s, Acc& dp, int c, int j) {
                 const Acc ds = s * (dp - sDeltat[c]);
-                dp = FAST || kept(c, j) ? ds : Acc(0);
+                const bool keep = FAST || kept(c, j);
+                s = keep ? s : Acc(0);
+                dp = keep ? ds : Acc(0);
             };
-            // Hopper: P in a first pass while dP^T is still on the tensor cores, dS in a second.
-            // The warp policies: one pass (a second spills 4 bytes beside 3xTF32's fragments
-            // at D = 96 on sm_80 to sm_89).
-            auto passes = [&](const bool FAST) {
-                if constexpr (WG) {
-                    wgmma_wait<1>();  // S^T has landed; dP^T may still run
-                    fence_regs(s_t[0]);
-                    each_element(s_t, r0, 0, t, [&](Acc& s, int j, int c) { exponentiate(FAST, s, c, j); });
-                    wgmma_wait<0>();
-                    fence_regs(dp_t[0]);
+            if constexpr (WG) {
+                // Hopper: P in a first pass while dP^T is still on the tensor cores, dS in a second.
+                wgmma_wait<1>();  // S^T has landed; dP^T may still run
+                fence_regs(s_t[0]);
+                each_element(s_t, r0, 0, t, [&](Acc& s, int, int c) { exponentiate(s, c); });
+                wgmma_wait<0>();
+                fence_regs(dp_t[0]);
+                auto second = [&](const bool FAST) {
                     each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) { differentiate(FAST, s, dp, c, j); },
                                  dp_t);
-                } else {
+                };
+                if (fast)
+                    second(true);
+                else
+                    second(false);
+            } else {
+                // The warp policies: one pass (a second spills 4 bytes beside 3xTF32's fragments
+                // at D = 96 on sm_80 to sm_89).
+                auto pass = [&](const bool FAST) {
                     each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
-                        exponentiate(FAST, s, c, j);
+                        exponentiate(s, c);
                         differentiate(FAST, s, dp, c, j);
                     }, dp_t);
-                }
-            };
-            if (fast)
-                passes(true);
-            else
-                passes(false);
+                };
+                if (fast)
+                    pass(true);
+                else
+                    pass(false);
+            }
         }
         // dQ's accumulator rows of this head (FUSED_DQ)
         Acc* gdQa = FUSED_DQ ? static_cast<Acc*>(bp.dq_accum) + (packed ? hv.q_start * bp.dqa_sr : hv.b * bp.dqa_sb)

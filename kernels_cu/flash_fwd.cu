@@ -105,12 +105,11 @@ struct OnlineSoftmax {
         } else {
             // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
             // discarded: both masked, the latter before any mask or bias read.
-            const bool band = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
             if constexpr (FULL) {
-                score.tile(p, hv, sp, r0, jt0, t, jt1, band);
+                score.tile(p, hv, sp, r0, jt0, t, jt1, !tile_inside_band(p, hv, i0, i1, jt0, jt1));
             } else {
                 each_element(sp, r0, jt0, t, [&](Acc& s, int i, int j) {
-                    s = j < jt1 && i < hv.q_len && (!band || in_band(p, hv, i, j)) ? s * score.scale_log2 : neg_inf<Acc>();
+                    s = (j < jt1) & (i < hv.q_len) & score.in_band(i, j) ? s * score.scale_log2 : neg_inf<Acc>();
                 });
             }
             each_element(sp, 0, 0, 0, fold_max);

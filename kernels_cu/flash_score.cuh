@@ -96,14 +96,30 @@ __device__ __forceinline__ bool tile_inside_band(const Params& p, const HeadView
     return true;
 }
 
-// Does (i, j) pass causal and window?
-__device__ __forceinline__ bool in_band(const Params& p, const HeadView& hv, int i, int j) {
-    bool keep = true;
-    if (p.causal != kNoCausal) keep &= j <= i + (p.causal == kTopLeft ? 0 : hv.diagonal);
-    if (p.window_left >= 0) keep &= j >= i + hv.diagonal - p.window_left;
-    if (p.window_right >= 0) keep &= j <= i + hv.diagonal + p.window_right;
-    return keep;
-}
+// The causal and window band as bounds on the key-query offset: score (query i, key j)
+// passes when lo <= j - i <= hi (causal: j - i <= 0 top-left or <= diagonal bottom-right;
+// window (left, right): diagonal - left <= j - i <= diagonal + right). Built once per head
+// and tile, outside the element loops, so a score costs two comparisons and no branch: a
+// per-element test of each option (uniform branches) split the unrolled tile loops into
+// blocks ptxas could not interleave, and the backward's diagonal tile took 2.6 times a
+// full tile (H100 per-block trace, bench/NOTES.md). Bounds an option does not set are the
+// int range's ends; sums are formed in 64 bits and clamped (window sides reach Lq + Lk).
+struct Band {
+    i32 lo, hi;
+    __device__ __forceinline__ Band(const Params& p, const HeadView& hv) {
+        constexpr i64 kMax = 2147483647LL, kMin = -kMax - 1;
+        const i64 causal_hi = p.causal == kNoCausal ? kMax : p.causal == kTopLeft ? 0 : hv.diagonal;
+        const i64 right_hi = p.window_right < 0 ? kMax : static_cast<i64>(hv.diagonal) + p.window_right;
+        const i64 left_lo = p.window_left < 0 ? kMin : static_cast<i64>(hv.diagonal) - p.window_left;
+        hi = static_cast<i32>(min(min(causal_hi, right_hi), kMax));
+        lo = static_cast<i32>(max(left_lo, kMin));
+    }
+    // Does (i, j) pass causal and window? (j - i cannot overflow: both are in [0, 2^31).)
+    __device__ __forceinline__ bool operator()(int i, int j) const {
+        const int d = j - i;
+        return (d >= lo) & (d <= hi);
+    }
+};
 
 // Does some score of tile [i0, i1) x [j0, j1) survive block_mask and mask? Called by every
 // thread of the block (it ends in a barrier); the caller then skips the tile entirely.
@@ -160,8 +176,9 @@ struct ScoreOp {
     const void* bias;    // this head's bias, or nullptr
     const bool* mask;    // this head's mask, or nullptr
     const bool* block_mask;
+    Band in_band;        // causal and window
 
-    __device__ __forceinline__ ScoreOp(const Params& p, const HeadView& hv) {
+    __device__ __forceinline__ ScoreOp(const Params& p, const HeadView& hv) : in_band(p, hv) {
         scale = static_cast<Acc>(p.scale);
         scale_log2 = static_cast<Acc>(p.scale * kLog2e);
         softcap = static_cast<Acc>(p.softcap);
@@ -195,7 +212,7 @@ struct ScoreOp {
             const int dist = abs(i + hv.diagonal - j);  // s -= slope * |i + Lk - Lq - j|
             s -= slope_log2 * static_cast<Acc>(dist);
         }
-        bool keep = !check_band || in_band(p, hv, i, j);
+        bool keep = !check_band | in_band(i, j);
         if (mask != nullptr) keep &= mask[i * p.mask_si + j * p.mask_sj];
         if (block_mask != nullptr) keep &= block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
         return keep ? s : neg_inf<Acc>();
@@ -222,7 +239,7 @@ struct ScoreOp {
     __device__ __forceinline__ void tile(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
                                          int t, int j_end, bool check_band) const {
         const Acc log2e = static_cast<Acc>(kLog2e);
-        auto inside = [&](int i, int j) { return i < hv.q_len && j < j_end; };
+        auto inside = [&](int i, int j) { return (i < hv.q_len) & (j < j_end); };
         if (p.has_softcap) {
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * tanh_acc(x * scale * inv_softcap) * log2e; });
         } else {
@@ -248,14 +265,14 @@ struct ScoreOp {
         }
         if (mask != nullptr || block_mask != nullptr) {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
-                bool keep = inside(i, j) && (!check_band || in_band(p, hv, i, j));
+                bool keep = inside(i, j) & (!check_band | in_band(i, j));
                 if (mask != nullptr) keep = keep && mask[i * p.mask_si + j * p.mask_sj];
                 if (block_mask != nullptr)
                     keep = keep && block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
                 x = keep ? x : neg_inf<Acc>();
             });
         } else if (check_band) {
-            each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x = inside(i, j) && in_band(p, hv, i, j) ? x : neg_inf<Acc>(); });
+            each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x = inside(i, j) & in_band(i, j) ? x : neg_inf<Acc>(); });
         } else {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x = inside(i, j) ? x : neg_inf<Acc>(); });
         }

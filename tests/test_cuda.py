@@ -275,6 +275,23 @@ def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
     _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
+@pytest.mark.parametrize("options", [{"causal": True}, {"causal": "top_left"}, {"window": (5, 0)},
+                                     {"causal": True, "window": (None, 0), "kv_lengths": np.array([290])}])
+def test_backward_masked_scores_past_exp_range(dtype, options) -> None:
+    """Masked scores far above every kept one: the backward's masked tiles compute
+    exp2(S - lse) on every element and select the masked ones away afterwards, so P overflows
+    there (inf) and must not reach dQ, dK or dV (inf * 0 would be NaN)."""
+    lq, lk = 300, 340
+    rs = np.random.default_rng(3)
+    q = np.zeros((1, 2, lq, 64))
+    q[..., 0] = 30.0
+    k = rs.standard_normal((1, 2, lk, 64)) * 0.1
+    k[..., 0] = 30.0 * np.arange(lk) / lk  # later keys score higher: each row's masked keys top it by up to ~160 in log2
+    v, dout = (rs.standard_normal((1, 2, n, 64)) for n in (lk, lq))
+    _check_backward(Case(*(x.astype(dtype) for x in (q, k, v, dout)), options))
+
+
 @GPU_SETTINGS
 @given(cases())
 def test_portable_backward_matches_reference(case: Case) -> None:
