@@ -72,8 +72,10 @@ __device__ __forceinline__ void pv(PFrag& pf, const T* sV, Acc (&o)[MI][DV / 8][
 }
 
 // The online softmax of one thread's rows: running max m (log2 domain) and this thread's
-// share of the running sum l, and the score pipeline that feeds them.
-template <typename Acc, int MI, bool FULL>
+// share of the running sum l, and the score pipeline that feeds them. SEQUENTIAL_MASK: the
+// plain kernel's masked tiles test the band element by element with in_band_sequential
+// rather than Band (see kSequentialMask).
+template <typename Acc, int MI, bool FULL, bool SEQUENTIAL_MASK>
 struct OnlineSoftmax {
     const Params& p;
     const HeadView& hv;
@@ -107,9 +109,16 @@ struct OnlineSoftmax {
             // discarded: both masked, the latter before any mask or bias read.
             if constexpr (FULL) {
                 score.tile(p, hv, sp, r0, jt0, t, jt1, !tile_inside_band(p, hv, i0, i1, jt0, jt1));
-            } else {
+            } else if constexpr (SEQUENTIAL_MASK) {
+                const bool band = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
                 each_element(sp, r0, jt0, t, [&](Acc& s, int i, int j) {
-                    s = (j < jt1) & (i < hv.q_len) & score.in_band(i, j) ? s * score.scale_log2 : neg_inf<Acc>();
+                    s = j < jt1 && i < hv.q_len && (!band || in_band_sequential(p, hv, i, j)) ? s * score.scale_log2
+                                                                                             : neg_inf<Acc>();
+                });
+            } else {
+                const Band in_band(p, hv);
+                each_element(sp, r0, jt0, t, [&](Acc& s, int i, int j) {
+                    s = (j < jt1) & (i < hv.q_len) & in_band(i, j) ? s * score.scale_log2 : neg_inf<Acc>();
                 });
             }
             each_element(sp, 0, 0, 0, fold_max);
@@ -239,7 +248,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     // This thread's rows: row(x) = r0 + 8 x for x = 2 mi + (e >> 1), x in [0, 2 MI).
     const int r0 = i0 + WARP_M * warp + g;
     Acc m[2 * MI], l[2 * MI];  // running row max (log2 domain); this thread's share of the row sum
-    OnlineSoftmax<Acc, MI, FULL> softmax{p, hv, score, i0, i1, r0, t, plain, FULL && p.dropout_threshold != 0, m, l};
+    // Band's branch-free test lets ptxas interleave a masked tile's elements, which takes
+    // registers: the plain wgmma kernel with a 256-wide O has none to spare (20-byte spill,
+    // sm_90) and keeps the sequential test.
+    constexpr bool kSequentialMask = Policy::WARPGROUP && DV > 128;
+    OnlineSoftmax<Acc, MI, FULL, kSequentialMask> softmax{p, hv, score, i0, i1, r0, t, plain,
+                                                          FULL && p.dropout_threshold != 0, m, l};
     Acc o[MI][NO][4];
 #pragma unroll
     for (int x = 0; x < 2 * MI; ++x) {

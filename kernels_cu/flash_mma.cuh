@@ -145,6 +145,9 @@ struct Simt : PassP<AccT> {
 
 };
 
+// Whether a policy is 3xTF32 (MmaTf32<true, MI>, sm_80+): split fragments, the tightest registers.
+template <typename Policy> constexpr bool kSplitTf32 = false;
+
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
 // ------------------------------------------------------------------ float16 / bfloat16
@@ -433,6 +436,8 @@ struct MmaTf32 : PassP<float, MI_> {
         }
     }
 };
+
+template <int MI> constexpr bool kSplitTf32<MmaTf32<true, MI>> = true;
 
 // ------------------------------------------------------------------ float64 (DMMA)
 __device__ __forceinline__ void mma_m8n8k4_f64(double& c0, double& c1, double a, double b) {

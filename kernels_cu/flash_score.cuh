@@ -96,6 +96,17 @@ __device__ __forceinline__ bool tile_inside_band(const Params& p, const HeadView
     return true;
 }
 
+// Does (i, j) pass causal and window? Band's test, written with a uniform branch per option
+// and element: slow on masked tiles (ptxas cannot interleave the elements) but light on
+// registers, for the one kernel that has none to spare (flash_fwd's kSequentialMask).
+__device__ __forceinline__ bool in_band_sequential(const Params& p, const HeadView& hv, int i, int j) {
+    bool keep = true;
+    if (p.causal != kNoCausal) keep &= j <= i + (p.causal == kTopLeft ? 0 : hv.diagonal);
+    if (p.window_left >= 0) keep &= j >= i + hv.diagonal - p.window_left;
+    if (p.window_right >= 0) keep &= j <= i + hv.diagonal + p.window_right;
+    return keep;
+}
+
 // The causal and window band as bounds on the key-query offset: score (query i, key j)
 // passes when lo <= j - i <= hi (causal: j - i <= 0 top-left or <= diagonal bottom-right;
 // window (left, right): diagonal - left <= j - i <= diagonal + right). Built once per head
@@ -176,9 +187,8 @@ struct ScoreOp {
     const void* bias;    // this head's bias, or nullptr
     const bool* mask;    // this head's mask, or nullptr
     const bool* block_mask;
-    Band in_band;        // causal and window
 
-    __device__ __forceinline__ ScoreOp(const Params& p, const HeadView& hv) : in_band(p, hv) {
+    __device__ __forceinline__ ScoreOp(const Params& p, const HeadView& hv) {
         scale = static_cast<Acc>(p.scale);
         scale_log2 = static_cast<Acc>(p.scale * kLog2e);
         softcap = static_cast<Acc>(p.softcap);
@@ -212,7 +222,7 @@ struct ScoreOp {
             const int dist = abs(i + hv.diagonal - j);  // s -= slope * |i + Lk - Lq - j|
             s -= slope_log2 * static_cast<Acc>(dist);
         }
-        bool keep = !check_band | in_band(i, j);
+        bool keep = !check_band | Band(p, hv)(i, j);
         if (mask != nullptr) keep &= mask[i * p.mask_si + j * p.mask_sj];
         if (block_mask != nullptr) keep &= block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
         return keep ? s : neg_inf<Acc>();
@@ -240,6 +250,7 @@ struct ScoreOp {
                                          int t, int j_end, bool check_band) const {
         const Acc log2e = static_cast<Acc>(kLog2e);
         auto inside = [&](int i, int j) { return (i < hv.q_len) & (j < j_end); };
+        const Band in_band(p, hv);
         if (p.has_softcap) {
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * tanh_acc(x * scale * inv_softcap) * log2e; });
         } else {

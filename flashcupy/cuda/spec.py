@@ -372,10 +372,12 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
         kv_chunk = 128 if x3_whole else 64
     kv_chunk = min(hd, kv_chunk)
     # float64 on tensor cores: up to D = 128, 64-wide chunks (D = 128 in two, not four, so S
-    # and dP are recomputed half as often) fit without a spill in the kernel with the full
-    # score pipeline, not in the plain one (ptxas, sm_90), nor at D > 128; with one row group
-    # per warp in both, the plain kernel saves little else, so float64 always takes the full one.
-    full = full or policy == "dmma"
+    # and dP are recomputed half as often) fit without a spill, in the plain kernel too since
+    # its masked tiles test the band without branches (ptxas, sm_80 to sm_90); the plain
+    # kernel is 1.35-1.4x faster (H100, D = 64 and 128: bench/NOTES.md). Deterministic
+    # float64 keeps the full one: its plain kernel without fused dQ spills 4 bytes at D = 64
+    # on sm_90.
+    full = full or (policy == "dmma" and deterministic)
     if policy == "tf32" or (policy == "tf32x3" and hd > 64):
         # 32 streamed rows spill beside the TF32 fragments (ptxas, sm_80 and sm_90); and
         # 3xTF32 at D = 128 runs faster with 16 (H200: bench/NOTES.md)
