@@ -324,9 +324,10 @@ def _check_cu_seqlens(name: str, x: Any, total: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _check_window(window: Any, limit: int) -> tuple[int | None, int | None] | None:
-    """(left, right) or None. A side larger than ``limit`` (Lq + Lk: unbounded already)
-    is clamped to it, so that the backends' index arithmetic stays in int64."""
+def _check_window(window: Any, frame_q: int, frame_k: int) -> tuple[int | None, int | None] | None:
+    """(left, right) or None. left is clamped to Lk and right to Lq (``frame_k``, ``frame_q``),
+    where each side no longer restricts any score, so that the kernels' band sums (query +
+    diagonal +- side) stay within +-(Lq + Lk)."""
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -336,7 +337,7 @@ def _check_window(window: Any, limit: int) -> tuple[int | None, int | None] | No
             raise TypeError(f"window: expected {side} to be an int >= 0 or None, received {w!r}")
         if w is not None and w < 0:
             raise ValueError(f"window: expected {side} to be >= 0 or None, received {w}")
-    left, right = (None if w is None else min(int(w), limit) for w in window)
+    left, right = (None if w is None else min(int(w), limit) for w, limit in zip(window, (frame_k, frame_q)))
     return None if left is None and right is None else (left, right)
 
 
@@ -503,7 +504,7 @@ def make_problem(q: Any, k: Any, v: Any, options: dict[str, Any], xp: Any = np) 
         softcap = _as_float(softcap)
 
     causal = _check_causal(o["causal"])
-    window = _check_window(o["window"], frame_q + frame_k)
+    window = _check_window(o["window"], frame_q, frame_k)
     scores_shape = batch + (hq, frame_q, frame_k)
 
     mask = o["mask"]

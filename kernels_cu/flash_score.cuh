@@ -96,9 +96,11 @@ __device__ __forceinline__ bool tile_inside_band(const Params& p, const HeadView
     return true;
 }
 
-// Does (i, j) pass causal and window? Band's test, written with a uniform branch per option
-// and element: slow on masked tiles (ptxas cannot interleave the elements) but light on
-// registers, for the one kernel that has none to spare (flash_fwd's kSequentialMask).
+// Does (i, j) pass causal and window? The band test written with a uniform branch per
+// option and element (32-bit sums: exact for Lq + Lk < 2^31, the window sides clamped
+// to Lk and Lq as problem.py clamps them): slow on masked tiles (ptxas cannot interleave the elements) but
+// light on registers, for the kernels that have none to spare (kSequentialMask in
+// flash_fwd.cu and flash_bwd.cu).
 __device__ __forceinline__ bool in_band_sequential(const Params& p, const HeadView& hv, int i, int j) {
     bool keep = true;
     if (p.causal != kNoCausal) keep &= j <= i + (p.causal == kTopLeft ? 0 : hv.diagonal);
@@ -109,12 +111,13 @@ __device__ __forceinline__ bool in_band_sequential(const Params& p, const HeadVi
 
 // The causal and window band as bounds on the key-query offset: score (query i, key j)
 // passes when lo <= j - i <= hi (causal: j - i <= 0 top-left or <= diagonal bottom-right;
-// window (left, right): diagonal - left <= j - i <= diagonal + right). Built once per head
-// and tile, outside the element loops, so a score costs two comparisons and no branch: a
+// window (left, right): diagonal - left <= j - i <= diagonal + right). Built outside the
+// element loops (once per tile; ScoreOp's per-score operator relies on the compiler to
+// hoist it), so a score costs two comparisons and no branch: a
 // per-element test of each option (uniform branches) split the unrolled tile loops into
 // blocks ptxas could not interleave, and the backward's diagonal tile took 2.6 times a
 // full tile (H100 per-block trace, bench/NOTES.md). Bounds an option does not set are the
-// int range's ends; sums are formed in 64 bits and clamped (window sides reach Lq + Lk).
+// int range's ends; sums are formed in 64 bits and clamped.
 struct Band {
     i32 lo, hi;
     __device__ __forceinline__ Band(const Params& p, const HeadView& hv) {

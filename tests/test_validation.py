@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import flashcupy as fc
+from flashcupy.problem import make_problem
 
 F32 = np.dtype(np.float32)
 
@@ -831,6 +832,11 @@ def test_window_none_none_is_no_window():
 def test_huge_window_and_block_size_are_unbounded():
     q, k, v = make_qkv()
     plain = flash(q, k, v)
+    # left clamped to Lk and right to Lq: no longer a restriction, and the kernels' 32-bit
+    # band sums stay within +-(Lq + Lk)
+    lq, lk = q.shape[-2], k.shape[-2]
+    assert make_problem(q, k, v, {"window": (2**70, 2**64)}).window == (lk, lq)
+    assert make_problem(q, k, v, {"window": (lk + 1, None)}).window == (lk, None)
     np.testing.assert_array_equal(flash(q, k, v, window=(2**70, 2**64)), plain)
     assert_matches_reference(q, k, v, window=(2**70, 0))
     assert_matches_reference(q, k, v, window=(np.uint64(2**63), 1), causal=True)

@@ -374,7 +374,7 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
     # float64 on tensor cores: up to D = 128, 64-wide chunks (D = 128 in two, not four, so S
     # and dP are recomputed half as often) fit without a spill, in the plain kernel too since
     # its masked tiles test the band without branches (ptxas, sm_80 to sm_90); the plain
-    # kernel is 1.35-1.4x faster (H100, D = 64 and 128: bench/NOTES.md). Deterministic
+    # kernel is 1.26-1.39x faster (H100, D = 64 and 128: bench/NOTES.md). Deterministic
     # float64 keeps the full one: its plain kernel without fused dQ spills 4 bytes at D = 64
     # on sm_90.
     full = full or (policy == "dmma" and deterministic)
