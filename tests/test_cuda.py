@@ -281,17 +281,19 @@ def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
 def test_backward_masked_scores_past_exp_range(dtype, options) -> None:
     """Masked scores far above every kept one: the backward's masked tiles compute
     exp2(S - lse) on every element and select the masked ones away afterwards, so P overflows
-    there (inf) and must not reach dQ, dK or dV (inf * 0 would be NaN). The log2-domain score
-    rises by ~7.6 a key, so inside a diagonal tile a masked key 17 past a row's last kept
-    one exceeds float's exp2 range (float64's needs more than 1024: no overflow there)."""
+    there (inf) and must not reach dQ, dK or dV (inf * 0 would be NaN). S = 2 (j - i) from
+    small integers (bfloat16 rounds k's above 256, the reference alike), so inside a diagonal
+    tile a masked key 45 or more past a row's last kept one exceeds float's exp2 range, while
+    kept scores stay small enough for float32's rounding (float64's range needs more than
+    1024: no overflow there)."""
     lq, lk = 300, 340
     rs = np.random.default_rng(3)
     q = np.zeros((1, 2, lq, 64))
-    q[..., 0] = 30.0
-    k = rs.standard_normal((1, 2, lk, 64)) * 0.1
-    k[..., 0] = 30.0 * np.arange(lk) / lk  # with scale 2: 2 * 900 / 340 * log2(e) = 7.6 a key in log2
+    k = np.zeros((1, 2, lk, 64))
+    q[..., 0], q[..., 1] = 1.0, np.arange(lq)
+    k[..., 0], k[..., 1] = 2.0 * np.arange(lk), -2.0  # q_i . k_j = 2 (j - i)
     v, dout = (rs.standard_normal((1, 2, n, 64)) for n in (lk, lq))
-    _check_backward(Case(*(x.astype(dtype) for x in (q, k, v, dout)), {**options, "scale": 2.0}))
+    _check_backward(Case(*(x.astype(dtype) for x in (q, k, v, dout)), {**options, "scale": 1.0}))
 
 
 @GPU_SETTINGS
