@@ -511,18 +511,13 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                 dp = live ? ds : Acc(0);
             }, dp_t);
         } else {
-            // Whether score (query i0 + c, key j) survives the lengths and the band: Band's
-            // test without a branch (`&`, not `&&`), but for 3xTF32 above HD = 64, whose
-            // fragments leave no registers for the interleaving it allows (4-byte spill at
-            // D = 96, sm_80 to sm_90): there the sequential test (in_band_sequential).
+            // Whether score (query i0 + c, key j) survives the lengths and the band: TileBand's
+            // branch-free test, but for 3xTF32 above HD = 64, whose fragments leave no
+            // registers for the interleaving it allows (4-byte spill at D = 96, sm_80 to
+            // sm_90): there the sequential one.
             constexpr bool kSequentialMask = kSplitTf32<Policy> && HD > 64;
-            const Band in_band(p, hv);
-            auto kept = [&](int c, int j) {
-                if constexpr (kSequentialMask)
-                    return i0 + c < i1 && j < j0 + keys_valid && (!band || in_band_sequential(p, hv, i0 + c, j));
-                else
-                    return (i0 + c < i1) & (j < j0 + keys_valid) & in_band(i0 + c, j);
-            };
+            const TileBand<kSequentialMask> in_band(p, hv, band);
+            auto kept = [&](int c, int j) { return in_band((i0 + c < i1) & (j < j0 + keys_valid), i0 + c, j); };
             // P^T = exp2(S^T scale log2(e) - lse2) on every element, masked or not (the same
             // code on every tile): a masked or padding score may overflow to inf here, and
             // differentiate selects it away.

@@ -73,8 +73,7 @@ __device__ __forceinline__ void pv(PFrag& pf, const T* sV, Acc (&o)[MI][DV / 8][
 
 // The online softmax of one thread's rows: running max m (log2 domain) and this thread's
 // share of the running sum l, and the score pipeline that feeds them. SEQUENTIAL_MASK: the
-// plain kernel's masked tiles test the band element by element with in_band_sequential
-// rather than Band (see kSequentialMask).
+// plain kernel's masked tiles take TileBand's sequential test (see kSequentialMask).
 template <typename Acc, int MI, bool FULL, bool SEQUENTIAL_MASK>
 struct OnlineSoftmax {
     const Params& p;
@@ -99,7 +98,8 @@ struct OnlineSoftmax {
         // Walked with row 0 and column 0 at the thread's first element, each_element's row
         // i = 16 mi + 8 (e >> 1) is 8 x for the thread's row x (a constant once unrolled).
         auto fold_max = [&](Acc& s, int i, int) { row_max[i / 8] = max_acc(row_max[i / 8], s); };
-        if (plain && jt1 - jt0 == 8 * NP && tile_inside_band(p, hv, i0, i1, jt0, jt1)) {
+        const bool crosses = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
+        if (plain && jt1 - jt0 == 8 * NP && !crosses) {
             each_element(sp, 0, 0, 0, [&](Acc& s, int i, int j) {
                 s *= score.scale_log2;  // S = scale * log2(e) * Q K^T
                 fold_max(s, i, j);
@@ -108,17 +108,11 @@ struct OnlineSoftmax {
             // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
             // discarded: both masked, the latter before any mask or bias read.
             if constexpr (FULL) {
-                score.tile(p, hv, sp, r0, jt0, t, jt1, !tile_inside_band(p, hv, i0, i1, jt0, jt1));
-            } else if constexpr (SEQUENTIAL_MASK) {
-                const bool band = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
-                each_element(sp, r0, jt0, t, [&](Acc& s, int i, int j) {
-                    s = j < jt1 && i < hv.q_len && (!band || in_band_sequential(p, hv, i, j)) ? s * score.scale_log2
-                                                                                             : neg_inf<Acc>();
-                });
+                score.tile(p, hv, sp, r0, jt0, t, jt1, crosses);
             } else {
-                const Band in_band(p, hv);
+                const TileBand<SEQUENTIAL_MASK> kept(p, hv, crosses);
                 each_element(sp, r0, jt0, t, [&](Acc& s, int i, int j) {
-                    s = (j < jt1) & (i < hv.q_len) & in_band(i, j) ? s * score.scale_log2 : neg_inf<Acc>();
+                    s = kept((j < jt1) & (i < hv.q_len), i, j) ? s * score.scale_log2 : neg_inf<Acc>();
                 });
             }
             each_element(sp, 0, 0, 0, fold_max);

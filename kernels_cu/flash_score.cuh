@@ -97,10 +97,9 @@ __device__ __forceinline__ bool tile_inside_band(const Params& p, const HeadView
 }
 
 // Does (i, j) pass causal and window? The band test written with a uniform branch per
-// option and element (32-bit sums: exact for Lq + Lk < 2^31, the window sides clamped
-// to Lk and Lq as problem.py clamps them): slow on masked tiles (ptxas cannot interleave the elements) but
-// light on registers, for the kernels that have none to spare (kSequentialMask in
-// flash_fwd.cu and flash_bwd.cu).
+// option and element (32-bit sums: exact for Lq + Lk < 2^31, the window sides clamped to
+// Lk and Lq as problem.py clamps them): slow on masked tiles (ptxas cannot interleave the
+// elements) but light on registers, for the kernels that have none to spare (TileBand<true>).
 __device__ __forceinline__ bool in_band_sequential(const Params& p, const HeadView& hv, int i, int j) {
     bool keep = true;
     if (p.causal != kNoCausal) keep &= j <= i + (p.causal == kTopLeft ? 0 : hv.diagonal);
@@ -113,11 +112,11 @@ __device__ __forceinline__ bool in_band_sequential(const Params& p, const HeadVi
 // passes when lo <= j - i <= hi (causal: j - i <= 0 top-left or <= diagonal bottom-right;
 // window (left, right): diagonal - left <= j - i <= diagonal + right). Built outside the
 // element loops (once per tile; ScoreOp's per-score operator relies on the compiler to
-// hoist it), so a score costs two comparisons and no branch: a
-// per-element test of each option (uniform branches) split the unrolled tile loops into
-// blocks ptxas could not interleave, and the backward's diagonal tile took 2.6 times a
-// full tile (H100 per-block trace, bench/NOTES.md). Bounds an option does not set are the
-// int range's ends; sums are formed in 64 bits and clamped.
+// hoist it), so a score costs two comparisons and no branch: a per-element test of each
+// option (uniform branches) split the unrolled tile loops into blocks ptxas could not
+// interleave, and the backward's diagonal tile took 2.6 times a full tile (H100 per-block
+// trace, bench/NOTES.md). Bounds an option does not set are the int range's ends; sums are
+// formed in 64 bits and clamped.
 struct Band {
     i32 lo, hi;
     __device__ __forceinline__ Band(const Params& p, const HeadView& hv) {
@@ -132,6 +131,27 @@ struct Band {
     __device__ __forceinline__ bool operator()(int i, int j) const {
         const int d = j - i;
         return (d >= lo) & (d <= hi);
+    }
+};
+
+// A masked tile's per-score test in the plain kernels: inside the lengths and the band.
+// Band's branch-free form by default; SEQUENTIAL, for the kernels without registers to spare
+// for the interleaving it allows (flash_fwd.cu and flash_bwd.cu name them, kSequentialMask),
+// in_band_sequential behind `&&`, skipped where the tile crosses no band edge (`crosses`).
+template <bool SEQUENTIAL>
+struct TileBand {
+    const Params& p;
+    const HeadView& hv;
+    bool crosses;
+    Band band;
+    __device__ __forceinline__ TileBand(const Params& p_, const HeadView& hv_, bool crosses_)
+        : p(p_), hv(hv_), crosses(crosses_), band(p_, hv_) {}
+    // Does score (i, j) survive, given whether it lies inside the lengths?
+    __device__ __forceinline__ bool operator()(bool inside, int i, int j) const {
+        if constexpr (SEQUENTIAL)
+            return inside && (!crosses || in_band_sequential(p, hv, i, j));
+        else
+            return inside & band(i, j);
     }
 };
 
