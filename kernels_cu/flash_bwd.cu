@@ -50,6 +50,25 @@ __device__ __forceinline__ void acc_atomic_add2(double* address, double a, doubl
     atomicAdd(address + 1, b);
 }
 
+// Named barrier `id` (1 to 15; 0 is __syncthreads') of `threads` threads, a multiple of 32:
+// arrive signals without waiting, sync waits for all. The shared-memory writes a thread made
+// before arriving are visible to the threads that sync on the barrier (PTX's bar semantics).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// pass(FAST) with FAST a constant: two inlined copies of a tile's element pass, the fast
+// tiles' without any selection.
+template <typename F> __device__ __forceinline__ void by_tile(bool fast, F pass) {
+    if (fast)
+        pass(true);
+    else
+        pass(false);
+}
+
 // The most column slices, at most `most`, that split `width` into multiples of `align`.
 __host__ __device__ constexpr int dq_slices(int most, int width, int align) {
     return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
@@ -330,15 +349,24 @@ __global__ void __launch_bounds__(BLOCK_R * 2, 1) flash_bwd_dq(const BwdParams b
 // to shared memory, and warpgroup w computes the dQ tile's columns [w NQW, (w + 1) NQW) over
 // all the block's keys (with 128-query tiles: warpgroup w the rows [64 w, 64 w + 64)).
 // With one stage, the next tile's copies run during the dQ product.
-template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C, bool FUSED_DQ, int STAGES, bool FULL>
-__global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(const BwdParams bp) {
+// ROLES (warp policies, no score options): 1, each warp computes S^T, dP^T, dV and dK of its
+// keys; or 2, two warps share 16 keys: the first computes S^T, P and dV, hands P to its
+// partner through shared memory (a named barrier of the pair), and the partner computes dP^T,
+// dS and dK. Each warp then holds one (16, CH) gradient instead of two, so a whole head of
+// 128 columns fits in one chunk where ROLES = 1 needs two, each recomputing S^T and dP^T
+// (float64 at D = 128: 1.4x the products, and 4 warps an SM where shared memory holds one block).
+template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C, bool FUSED_DQ, int STAGES, bool FULL,
+          int ROLES>
+__global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(const BwdParams bp) {
     using Acc = typename Policy::Acc;
     using PElem = typename Policy::PElem;
     using One = typename Policy::One;  // the policy with one row group: the dQ product's
     constexpr int MI = Policy::MI;     // 16-key groups per warp
     constexpr bool WG = Policy::WARPGROUP;
     static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
-    constexpr int WARPS = BLOCK_R / (16 * MI), THREADS = 32 * WARPS;
+    static_assert(ROLES == 1 || (ROLES == 2 && !FULL && !WG), "split roles: warp policies without score options");
+    constexpr int KW = BLOCK_R / (16 * MI);  // warps per role: 16 MI keys each
+    constexpr int WARPS = ROLES * KW, THREADS = 32 * WARPS;
     static_assert(!WG || (FUSED_DQ && CH % 64 == 0 && BLOCK_R % 64 == 0 && BLOCK_C % 64 == 0
                           && (BLOCK_R / 64) % (BLOCK_C / 64) == 0),
                   "warpgroups of 64 keys, whole slabs, dQ fused in 64-query blocks shared by the warpgroups");
@@ -366,8 +394,12 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     PElem* sdS = reinterpret_cast<PElem*>(sdO + STAGES * QTile::ELEMS);  // (BLOCK_R, BLOCK_C): dS^T, FUSED_DQ
     Acc* sLse = reinterpret_cast<Acc*>(sdS + DS_ELEMS);                  // STAGES x (BLOCK_C) lse2
     Acc* sDelta = sLse + STAGES * BLOCK_C;                               // STAGES x (BLOCK_C) D
+    // ROLES = 2: P^T (BLOCK_R, BLOCK_C) handed to the partner warp, each thread's elements in
+    // its accumulator order, lane-minor (whole 32-lane rows: no bank conflict)
+    Acc* sP = sDelta + STAGES * BLOCK_C;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int kw = ROLES == 1 ? warp : warp % KW, role = ROLES == 1 ? 0 : warp / KW;  // this warp's keys and role
     const int n_blocks = (p.lk + BLOCK_R - 1) / BLOCK_R;
     const int chunk = blockIdx.x / n_blocks;
     const int j0 = (blockIdx.x - chunk * n_blocks) * BLOCK_R;
@@ -430,8 +462,11 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         cp_async_commit();
     };
 
-    const int r0 = j0 + 16 * MI * warp + g;  // this thread's keys: r0 + 16 mi and r0 + 16 mi + 8
-    Acc dk[MI][NC][4], dv[MI][NC][4];
+    const int r0 = j0 + 16 * MI * kw + g;  // this thread's keys: r0 + 16 mi and r0 + 16 mi + 8
+    // dV and dK; with split roles one gradient, dV (role 0) or dK (role 1), under both names
+    Acc dkv[3 - ROLES][MI][NC][4];
+    Acc(&dv)[MI][NC][4] = dkv[0];
+    Acc(&dk)[MI][NC][4] = dkv[2 - ROLES];
     zero_acc(dk);
     zero_acc(dv);
     const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
@@ -461,6 +496,9 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         if constexpr (WG) {  // issued here, waited for below
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sK, sQt, s_t);    // S^T = K Q^T
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
+        } else if constexpr (ROLES == 2) {
+            // Role 0: S^T = K Q^T; role 1: dP^T = V dO^T, both into s_t (one copy of the product)
+            Policy::template qk<HD, BLOCK_C, LD, LD>((role == 0 ? sK : sV) + 16 * MI * kw * LD, role == 0 ? sQt : sdOt, s_t);
         } else {
             // Two row groups keep dK and dV for 32 keys live: unroll two k-steps, not all.
             constexpr int K_UNROLL = MI == 2 ? 2 : 0;
@@ -530,34 +568,53 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
                 s = keep ? s : Acc(0);
                 dp = keep ? ds : Acc(0);
             };
-            if constexpr (WG) {
+            if constexpr (ROLES == 2) {
+                // The pair's named barrier (1 + kw; 0 is __syncthreads'): role 0 arrives once P^T is
+                // in sP, role 1 waits for it. sP is rewritten only after the next block-wide barrier,
+                // which follows role 1's reads.
+                Acc* sPw = sP + kw * (MI * NT * 4 * 32) + lane;  // this thread's elements, 32 apart
+                if (role == 0) {
+                    // P^T, with the scores outside the lengths and the band selected to 0
+                    by_tile(fast, [&](const bool FAST) {
+                        each_element(s_t, r0, 0, t, [&](Acc& s, int j, int c) {
+                            exponentiate(s, c);
+                            s = FAST || kept(c, j) ? s : Acc(0);
+                        });
+                    });
+#pragma unroll
+                    for (int x = 0; x < MI * NT * 4; ++x) sPw[32 * x] = (&s_t[0][0][0])[x];
+                    named_barrier_arrive(1 + kw, 64);
+                } else {
+                    named_barrier_sync(1 + kw, 64);
+#pragma unroll
+                    for (int x = 0; x < MI * NT * 4; ++x) (&dp_t[0][0][0])[x] = sPw[32 * x];
+                    // dS^T = P^T (dP^T - D) into s_t, which holds dP^T; P^T (in dp_t) is already 0
+                    // outside, dS^T is selected there as with one role
+                    by_tile(fast, [&](const bool FAST) {
+                        each_element(dp_t, r0, 0, t, [&](Acc& pe, Acc& dp, int j, int c) { differentiate(FAST, pe, dp, c, j); },
+                                     s_t);
+                    });
+                }
+            } else if constexpr (WG) {
                 // Hopper: P in a first pass while dP^T is still on the tensor cores, dS in a second.
                 wgmma_wait<1>();  // S^T has landed; dP^T may still run
                 fence_regs(s_t[0]);
                 each_element(s_t, r0, 0, t, [&](Acc& s, int, int c) { exponentiate(s, c); });
                 wgmma_wait<0>();
                 fence_regs(dp_t[0]);
-                auto second = [&](const bool FAST) {
+                by_tile(fast, [&](const bool FAST) {
                     each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) { differentiate(FAST, s, dp, c, j); },
                                  dp_t);
-                };
-                if (fast)
-                    second(true);
-                else
-                    second(false);
+                });
             } else {
                 // The warp policies: one pass (a second spills 4 bytes beside 3xTF32's fragments
                 // at D = 96 on sm_80 to sm_89).
-                auto pass = [&](const bool FAST) {
+                by_tile(fast, [&](const bool FAST) {
                     each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
                         exponentiate(s, c);
                         differentiate(FAST, s, dp, c, j);
                     }, dp_t);
-                };
-                if (fast)
-                    pass(true);
-                else
-                    pass(false);
+                });
             }
         }
         // dQ's accumulator rows of this head (FUSED_DQ)
@@ -596,11 +653,16 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
         } else {
             typename Policy::template PFrag<BLOCK_C> pf;
             Policy::template pack_p<BLOCK_C>(s_t, pf);
-            Policy::template pv<BLOCK_C, CH, LD>(pf, sdOt + c0, dv);  // dV += P'^T dO
-            Policy::template pack_p<BLOCK_C>(dp_t, pf);
-            Policy::template pv<BLOCK_C, CH, LD>(pf, sQt + c0, dk);   // dK += dS^T Q
+            if constexpr (ROLES == 2) {
+                // Role 0: dV += P^T dO; role 1: dK += dS^T Q (s_t holds P^T or dS^T)
+                Policy::template pv<BLOCK_C, CH, LD>(pf, (role == 0 ? sdOt : sQt) + c0, dkv[0]);
+            } else {
+                Policy::template pv<BLOCK_C, CH, LD>(pf, sdOt + c0, dv);  // dV += P'^T dO
+                Policy::template pack_p<BLOCK_C>(dp_t, pf);
+                Policy::template pv<BLOCK_C, CH, LD>(pf, sQt + c0, dk);   // dK += dS^T Q
+            }
             if constexpr (FUSED_DQ) {
-                Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * MI * warp * LDS);
+                if (role == ROLES - 1) Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * MI * kw * LDS);
                 __syncthreads();  // dS^T of every key of the block is in sdS
                 for (int task = warp; task < RG * WPR; task += WARPS) {
                     const int rg = task / WPR, n0 = (task - rg * WPR) * NQ;
@@ -632,7 +694,9 @@ __global__ void __launch_bounds__(BLOCK_R * 2 / Policy::MI, 1) flash_bwd_dkdv(co
     const i64 dk_off = (packed ? hv0.k_start * bp.dk_sr : b * bp.dk_sb) + hk * bp.dk_sh;
     const i64 dv_off = (packed ? hv0.k_start * bp.dv_sr : b * bp.dv_sb) + hk * bp.dv_sh;
     const Acc scale = static_cast<Acc>(p.scale);
-    const int k_cols = min(CH, bp.d_true - c0), v_cols = min(CH, p.dv - c0);
+    // With split roles each warp writes its own gradient only (no columns of the other)
+    const int k_cols = ROLES == 1 || role == 1 ? min(CH, bp.d_true - c0) : 0;
+    const int v_cols = ROLES == 1 || role == 0 ? min(CH, p.dv - c0) : 0;
 #pragma unroll
     for (int x = 0; x < 2 * MI; ++x) {  // keys r0 + 8 x: row group x / 2, upper half x % 2
         const int j = r0 + 8 * x, mi = x >> 1, e0 = 2 * (x & 1);

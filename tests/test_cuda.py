@@ -275,6 +275,28 @@ def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
     _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("shape, options", [
+    ((2, 3, 3, 333, 290, 128, 128), {}),
+    ((2, 4, 2, 300, 517, 128, 128), {"causal": True}),  # GQA: two query heads per block
+    ((1, 2, 1, 70, 129, 80, 96), {}),  # bucket 96, Dv wider than D, MQA, the last key block one key wide
+    ((1, 2, 2, 1, 77, 100, 112), {"causal": True}),
+    ((2, 2, 2, 290, 333, 128, 128), {"causal": "top_left"}),
+    ((1, 3, 3, 200, 200, 128, 64), {"window": (40, 7), "q_lengths": np.array([150]), "kv_lengths": np.array([171])}),
+    ((1, 2, 2, 129, 1, 128, 128), {}),  # one key: 63 padding keys in the block
+    ((1, 1, 1, 64, 64, 97, 97), {"scale": -0.3}),
+])
+def test_split_roles_backward_matches_reference(dtype, shape, options) -> None:
+    """The dK/dV kernel with two warps per 16 keys (float32 and float64 at D = 96 and 128,
+    compute capability 9.0, no score option), P handed from the dV warp to the dK warp, on
+    partial tiles and every band."""
+    arch, smem = cuda.device_limits(cupy.cuda.Device().id)
+    b, hq, hk, lq, lk, d, dv = shape
+    if select_backward(np.dtype(dtype).name, d, dv, arch, smem, full=False).roles != 2:
+        pytest.skip(f"split roles are chosen on compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
 @pytest.mark.parametrize("options", [{"causal": True}, {"causal": "top_left"}, {"window": (5, 0)},
                                      {"causal": True, "window": (None, 0), "kv_lengths": np.array([290])}])

@@ -232,11 +232,12 @@ class BackwardSpec:
     stages: int = 1  # shared-memory stages of the dK/dV kernel's streamed tiles
     full: bool = True  # the dK/dV kernel compiled with bias, ALiBi, softcap, masks and dropout
     mi: int = 1        # 16-key row groups per warp of the dK/dV kernel (2: float16/bfloat16 only)
+    roles: int = 1     # warps per 16-key group of the dK/dV kernel (2: one for dV, one for dK)
 
     @property
     def threads(self) -> int:
-        """Threads of the dK/dV kernel and of the unfused dQ kernel (whose mi is 1)."""
-        return 32 * self.block_r // (16 * self.mi)
+        """Threads of the dK/dV kernel (and of the unfused dQ kernel, whose mi and roles are 1)."""
+        return 32 * self.roles * self.block_r // (16 * self.mi)
 
     @property
     def itemsize(self) -> int:
@@ -276,7 +277,7 @@ class BackwardSpec:
     def dkdv_name(self) -> str:
         flag = {True: "true", False: "false"}
         return self._kernel("flash_bwd_dkdv", self.kv_chunk, flag[self.fused_dq], str(self.stages), flag[self.full],
-                            mi=self.mi)
+                            str(self.roles), mi=self.mi)
 
     def _row_bytes(self) -> int:
         return (self.head_dim + 16 // self.itemsize) * self.itemsize  # rows padded by 16 bytes
@@ -290,7 +291,8 @@ class BackwardSpec:
     def dkdv_smem_bytes(self) -> int:
         """K and V (block_r, HD); per stage Q and dO (block_c, HD), lse and D (block_c); when
         fused, dS^T (block_r, block_c) padded by 16 bytes per row, in T on the float16/bfloat16
-        tensor cores and in the accumulator dtype otherwise. wgmma: the tiles swizzled without
+        tensor cores and in the accumulator dtype otherwise; with two roles, P^T (block_r,
+        block_c) in the accumulator dtype. wgmma: the tiles swizzled without
         padding (dS^T in T), and 1024 bytes of slack to align them."""
         stats = self.stages * 2 * self.block_c * self.acc_itemsize
         if self.policy == "wgmma":
@@ -298,7 +300,8 @@ class BackwardSpec:
             return elems * self.itemsize + stats + 1024
         pelem = self.itemsize if self.policy == "mma16" else self.acc_itemsize
         ds = self.block_r * (self.block_c * pelem + 16) if self.fused_dq else 0
-        return (2 * self.block_r + 2 * self.stages * self.block_c) * self._row_bytes() + stats + ds
+        handoff = self.block_r * self.block_c * self.acc_itemsize if self.roles == 2 else 0
+        return (2 * self.block_r + 2 * self.stages * self.block_c) * self._row_bytes() + stats + ds + handoff
 
     @property
     def smem_bytes(self) -> int:
@@ -360,9 +363,9 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
     # D = 128 as well (ptxas: 16 bytes; sm_90's allocation fits), so those take 64.
     narrow = full and (hd > 128 or (hd > 64 and arch < 90))
     # 3xTF32 (plain kernels) takes the whole head up to D = 128 in one chunk, so S and dP are
-    # not recomputed per chunk (1.4x at D = 128 on the H200: bench/NOTES.md); with 32 keys a
-    # block, as 64 spill (ptxas, sm_80 and sm_90), as do the full score pipeline and the
-    # deterministic dQ's (sm_80 to sm_89) beside it.
+    # not recomputed per chunk (1.4x at D = 128 on the H200: bench/NOTES.md); with one role,
+    # 32 keys a block, as 64 spill (ptxas, sm_80 and sm_90), as do the full score pipeline and
+    # the deterministic dQ's (sm_80 to sm_89) beside it.
     x3_whole = policy == "tf32x3" and hd <= 128 and not full and not deterministic
     if policy == "mma16":
         kv_chunk = 64 if narrow else 128
@@ -384,13 +387,25 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
         tiles = tuple(tile for tile in tiles if tile[1] != 32)
     if x3_whole and hd > 64:
         tiles = tuple(tile for tile in tiles if tile[0] != 64)
+    # Split roles (flash_bwd_dkdv's ROLES = 2) for float64 and 3xTF32 plain kernels at D = 96
+    # and 128 on sm_90: two warps share each 16 keys, one computing S^T, P and dV, the other
+    # dP^T, dS and dK, so each holds one gradient of the whole head. float64 then takes one
+    # chunk, not two that each recompute S^T and dP^T, with 8 warps in the one block shared
+    # memory admits per SM (4 before): 2.0-2.1x faster. 3xTF32 affords 64 keys a block and
+    # 32 or 48 streamed rows without a spill: 1.08-1.17x faster (H100: bench/NOTES.md).
+    # Smaller shared memories (sm_80 to sm_89) would shrink the key tiles; those keep one role.
+    roles = 2 if policy in ("dmma", "tf32x3") and 64 < hd <= 128 and not (full or deterministic) and arch >= 90 else 1
+    if roles == 2:
+        kv_chunk = hd
+        if policy == "tf32x3":
+            tiles = ((64, 48 if hd <= 96 else 32, 1),) + tiles
     if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
         tiles += ((16, 8, 1),)
     dq_chunk = min(hd, 128) if policy == "mma16" else kv_chunk
     fused = not deterministic
     for block_r, block_c, mi in tiles:
         spec = BackwardSpec(dtype, policy, hd, dq_chunk, kv_chunk, block_r, block_c, fused and block_c % 16 == 0,
-                            2, full, mi)
+                            2, full, mi, roles)
         # A second stage of the streamed tiles only while as many blocks fit on an SM as its
         # registers allow (these kernels take up to 255 a thread: 256 threads fill the file).
         if max(1, 256 // spec.threads) * spec.smem_bytes > smem_limit:
