@@ -14,8 +14,9 @@
 //
 // Template parameters: T the element type, Policy (flash_mma.cuh; one 16-row group per warp),
 // HD the padded head dim shared by q, k, v and dO in shared memory, CH gradient columns per
-// block, BLOCK_R rows of the block's own operand (16 per warp: queries for dq, keys for dkdv)
-// and BLOCK_C rows of the operand streamed through it per tile.
+// block, BLOCK_R rows of the block's own operand (16 per warp: queries for dq, keys for dkdv,
+// where two warps may share them: ROLES) and BLOCK_C rows of the operand streamed through it
+// per tile.
 #include "flash_bwd_params.cuh"
 #include "flash_copy.cuh"
 #include "flash_mma.cuh"
@@ -366,6 +367,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
     static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
     static_assert(ROLES == 1 || (ROLES == 2 && !FULL && !WG), "split roles: warp policies without score options");
     constexpr int KW = BLOCK_R / (16 * MI);  // warps per role: 16 MI keys each
+    static_assert(ROLES == 1 || KW <= 15, "a named barrier per pair of warps: ids 1 to 15");
     constexpr int WARPS = ROLES * KW, THREADS = 32 * WARPS;
     static_assert(!WG || (FUSED_DQ && CH % 64 == 0 && BLOCK_R % 64 == 0 && BLOCK_C % 64 == 0
                           && (BLOCK_R / 64) % (BLOCK_C / 64) == 0),

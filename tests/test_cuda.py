@@ -285,16 +285,42 @@ def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
     ((1, 3, 3, 200, 200, 128, 64), {"window": (40, 7), "q_lengths": np.array([150]), "kv_lengths": np.array([171])}),
     ((1, 2, 2, 129, 1, 128, 128), {}),  # one key: 63 padding keys in the block
     ((1, 1, 1, 64, 64, 97, 97), {"scale": -0.3}),
+    ((1, 2, 1, 150, 90, 96, 96), {"causal": True}),  # bottom-right, lq > lk: 60 rows without keys
+    ((2, 2, 2, 111, 111, 72, 72), {"window": (9, 30), "kv_lengths": np.array([111, 50])}),  # bucket 96
 ])
 def test_split_roles_backward_matches_reference(dtype, shape, options) -> None:
     """The dK/dV kernel with two warps per 16 keys (float32 and float64 at D = 96 and 128,
     compute capability 9.0, no score option), P handed from the dV warp to the dK warp, on
     partial tiles and every band."""
     arch, smem = cuda.device_limits(cupy.cuda.Device().id)
-    b, hq, hk, lq, lk, d, dv = shape
-    if select_backward(np.dtype(dtype).name, d, dv, arch, smem, full=False).roles != 2:
+    if arch != 90:
         pytest.skip(f"split roles are chosen on compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    b, hq, hk, lq, lk, d, dv = shape
+    assert select_backward(np.dtype(dtype).name, d, dv, arch, smem, full=False).roles == 2
     _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
+
+
+@pytest.mark.parametrize("dtype, d", [(F64, 128), (F32, 96)])
+def test_split_roles_packed_backward_equals_padded(dtype, d) -> None:
+    """Packed sequences (cu_seqlens) through the split-roles dK/dV kernel: dK and dV equal the
+    padded batch's bit for bit (same tiles from each sequence's start, no atomics), dQ (added
+    by atomics in any order) to rounding."""
+    arch, _ = cuda.device_limits(cupy.cuda.Device().id)
+    if arch != 90:
+        pytest.skip(f"split roles are chosen on compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    ql, kl = np.array([70, 1, 130]), np.array([90, 77, 5])
+    case = _case((3, 2, 130, d), (3, 2, 90, d), dtype=dtype)
+    opts = {"causal": True, "backend": "cuda"}
+    packed = [cupy.asarray(padded_to_packed(x, n)) for x, n in ((case.q, ql), (case.k, kl), (case.v, kl))]
+    _, vjp = fc.flash_attention_vjp(*packed, cu_seqlens_q=cu_seqlens(ql), cu_seqlens_k=cu_seqlens(kl), **opts)
+    q, k, v = (cupy.asarray(x) for x in (case.q, case.k, case.v))
+    _, padded_vjp = fc.flash_attention_vjp(q, k, v, q_lengths=ql, kv_lengths=kl, **opts)
+    grads = vjp(cupy.asarray(padded_to_packed(case.dout, ql)))
+    padded = [g.get() for g in padded_vjp(cupy.asarray(case.dout))]
+    np.testing.assert_allclose(grads[0].get(), padded_to_packed(padded[0], ql), rtol=1e-5 if dtype == F32 else 1e-12,
+                               atol=1e-6 if dtype == F32 else 1e-13)
+    for got, want in zip(grads[1:3], padded[1:3]):
+        np.testing.assert_array_equal(got.get(), padded_to_packed(want, kl))
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])

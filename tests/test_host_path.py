@@ -322,6 +322,27 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
     assert S.select_forward("float32", 128, 128, 90, S.ARCH_SMEM[90]).policy == "tf32x3"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype) -> None:
+    """Two warps per 16 keys (ROLES = 2) where measured: float32 (3xTF32) and float64 without
+    options or determinism, padded head dims 96 and 128, sm_90; one chunk of the whole head,
+    256 threads, a fused dQ, and P^T's hand-off buffer counted in shared memory."""
+    smem = S.ARCH_SMEM[90]
+    for d in (65, 80, 96, 97, 128):
+        spec = S.select_backward(dtype, d, d, 90, smem, full=False)
+        assert spec.roles == 2 and spec.kv_chunk == spec.head_dim and spec.fused_dq and spec.threads == 256
+        assert f", {spec.head_dim}, {spec.head_dim}, 64, " in spec.dkdv_name and spec.dkdv_name.endswith(", 2>")
+        one = dataclasses.replace(spec, roles=1)
+        assert spec.dkdv_smem_bytes == one.dkdv_smem_bytes + spec.block_r * spec.block_c * spec.acc_itemsize <= smem
+        assert spec.dq_threads == 2 * spec.block_r
+    for d, arch, full, deterministic in ((64, 90, False, False), (200, 90, False, False), (128, 90, True, False),
+                                         (128, 90, False, True), (128, 80, False, False), (128, 89, False, False)):
+        assert S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full,
+                                 deterministic=deterministic).roles == 1
+    assert S.select_backward(dtype, 128, 128, 90, smem, allow_tf32=True, full=False).roles == (2 if dtype == "float64"
+                                                                                               else 1)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_hopper_backward_takes_wgmma_only_without_options(dtype) -> None:
     """The wgmma backward (sm_90a) covers plain problems with a fused dQ: two warpgroups of

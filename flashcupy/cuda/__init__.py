@@ -337,7 +337,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             dq_grid = row_grid if spec.fused_dq else _grid(
                 -(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.dq_chunk), heads)
             get_function("backward", dq_name, device_id, dq_smem)(
-                dq_grid, (128,) if spec.fused_dq else (spec.threads,), (bparams,), shared_mem=dq_smem)
+                dq_grid, (128,) if spec.fused_dq else (spec.dq_threads,), (bparams,), shared_mem=dq_smem)
         dbias = finish_dbias() if finish_dbias is not None else None
         del keep_alive
     return dq, dk, dv, dbias

@@ -226,7 +226,7 @@ class BackwardSpec:
     head_dim: int    # HD: padded head dim of q, k, v and dO in shared memory
     dq_chunk: int    # CH of the dQ kernel: gradient columns per block (unfused)
     kv_chunk: int    # CH of the dK/dV kernel (and of its dQ columns when fused)
-    block_r: int     # rows of the block's own operand (16 per warp)
+    block_r: int     # rows of the block's own operand (16 per warp, or per pair of warps with two roles)
     block_c: int     # rows of the streamed operand per tile
     fused_dq: bool = False
     stages: int = 1  # shared-memory stages of the dK/dV kernel's streamed tiles
@@ -236,8 +236,13 @@ class BackwardSpec:
 
     @property
     def threads(self) -> int:
-        """Threads of the dK/dV kernel (and of the unfused dQ kernel, whose mi and roles are 1)."""
+        """Threads of the dK/dV kernel."""
         return 32 * self.roles * self.block_r // (16 * self.mi)
+
+    @property
+    def dq_threads(self) -> int:
+        """Threads of the unfused dQ kernel: a warp per 16 queries."""
+        return 2 * self.block_r
 
     @property
     def itemsize(self) -> int:
@@ -318,7 +323,8 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     """The backward kernels for this problem on a GPU of compute capability ``arch``.
 
     Gradient columns come in chunks (float16/bfloat16 on tensor cores and 3xTF32 without
-    options: up to 128; float64 without tensor cores or above D = 128: 32; otherwise 64) so
+    options: up to 128; float64 without options on sm_90: the whole head up to 128, its dK
+    and dV in two warps; float64 without tensor cores or above D = 128: 32; otherwise 64) so
     that dK and dV (or dQ) stay in registers beside S and dP whatever the head dim.
     ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
     :func:`select_forward`. Raises NoKernelError when no tile fits.
@@ -375,7 +381,8 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
         kv_chunk = 128 if x3_whole else 64
     kv_chunk = min(hd, kv_chunk)
     # float64 on tensor cores: up to D = 128, 64-wide chunks (D = 128 in two, not four, so S
-    # and dP are recomputed half as often) fit without a spill, in the plain kernel too since
+    # and dP are recomputed half as often; without options on sm_90 one chunk of split roles,
+    # below) fit without a spill, in the plain kernel too since
     # its masked tiles test the band without branches (ptxas, sm_80 to sm_90); the plain
     # kernel is 1.26-1.39x faster (H100, D = 64 and 128: bench/NOTES.md). Deterministic
     # float64 keeps the full one: its plain kernel without fused dQ spills 4 bytes at D = 64
@@ -391,14 +398,16 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
     # and 128 on sm_90: two warps share each 16 keys, one computing S^T, P and dV, the other
     # dP^T, dS and dK, so each holds one gradient of the whole head. float64 then takes one
     # chunk, not two that each recompute S^T and dP^T, with 8 warps in the one block shared
-    # memory admits per SM (4 before): 2.0-2.1x faster. 3xTF32 affords 64 keys a block and
+    # memory admits per SM (4 before): 1.9-2.1x faster. 3xTF32 affords 64 keys a block and
     # 32 or 48 streamed rows without a spill: 1.08-1.17x faster (H100: bench/NOTES.md).
-    # Smaller shared memories (sm_80 to sm_89) would shrink the key tiles; those keep one role.
-    roles = 2 if policy in ("dmma", "tf32x3") and 64 < hd <= 128 and not (full or deterministic) and arch >= 90 else 1
+    # Smaller shared memories (sm_80 to sm_89, and sm_100 and later, unmeasured) would shrink
+    # the key tiles; those keep one role. Only tiles of fused dQ (16-row streamed tiles).
+    roles = 2 if policy in ("dmma", "tf32x3") and 64 < hd <= 128 and not (full or deterministic) and arch == 90 else 1
     if roles == 2:
         kv_chunk = hd
         if policy == "tf32x3":
             tiles = ((64, 48 if hd <= 96 else 32, 1),) + tiles
+        tiles = tuple(tile for tile in tiles if tile[1] % 16 == 0)
     if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
         tiles += ((16, 8, 1),)
     dq_chunk = min(hd, 128) if policy == "mma16" else kv_chunk
