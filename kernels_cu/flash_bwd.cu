@@ -558,6 +558,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
             constexpr bool kSequentialMask = kSplitTf32<Policy> && HD > 64;
             const TileBand<kSequentialMask> in_band(p, hv, band);
             auto kept = [&](int c, int j) { return in_band((i0 + c < i1) & (j < j0 + keys_valid), i0 + c, j); };
+            auto keep = [&](const bool FAST, int c, int j) { return FAST || kept(c, j); };
             // P^T = exp2(S^T scale log2(e) - lse2) on every element, masked or not (the same
             // code on every tile): a masked or padding score may overflow to inf here, and
             // differentiate selects it away.
@@ -566,9 +567,9 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
             // lengths and the band are then 0 by selection, whatever inf or NaN they hold.
             auto differentiate = [&](const bool FAST, Acc& s, Acc& dp, int c, int j) {
                 const Acc ds = s * (dp - sDeltat[c]);
-                const bool keep = FAST || kept(c, j);
-                s = keep ? s : Acc(0);
-                dp = keep ? ds : Acc(0);
+                const bool live = keep(FAST, c, j);
+                s = live ? s : Acc(0);
+                dp = live ? ds : Acc(0);
             };
             if constexpr (ROLES == 2) {
                 // The pair's named barrier (1 + kw; 0 is __syncthreads'): role 0 arrives once P^T is
@@ -580,7 +581,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
                     by_tile(fast, [&](const bool FAST) {
                         each_element(s_t, r0, 0, t, [&](Acc& s, int j, int c) {
                             exponentiate(s, c);
-                            s = FAST || kept(c, j) ? s : Acc(0);
+                            s = keep(FAST, c, j) ? s : Acc(0);
                         });
                     });
 #pragma unroll
