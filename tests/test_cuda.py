@@ -60,6 +60,15 @@ def _check_forward(case: Case, **extra) -> None:
     assert_rule("lse", lse.get(), ref["lse"], naive["lse"], case.dtype)
 
 
+def _sm90_limits(what: str) -> tuple[int, int]:
+    """This GPU's (compute capability, shared memory per block); skips the test off 9.0, where
+    `what` (e.g. "wgmma kernels need") compute capability 9.0."""
+    arch, smem = cuda.device_limits(cupy.cuda.Device().id)
+    if arch != 90:
+        pytest.skip(f"{what} compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    return arch, smem
+
+
 def _case(shape_q, shape_k, dv=None, dtype=F16, data_seed=0, **options) -> Case:
     rs = np.random.default_rng(data_seed)
     dv = shape_k[-1] if dv is None else dv
@@ -94,9 +103,7 @@ def test_forward_matches_reference(case: Case) -> None:
 ])
 def test_hopper_forward_matches_reference(dtype, shape, options) -> None:
     """The wgmma forward (compute capability 9.0) on partial tiles, every option kind."""
-    arch, smem = cuda.device_limits(cupy.cuda.Device().id)
-    if arch != 90:
-        pytest.skip(f"wgmma kernels need compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    arch, smem = _sm90_limits("wgmma kernels need")
     b, h, lq, lk, d, dv = shape
     assert select_forward(np.dtype(dtype).name, d, dv, arch, smem, full=bool(set(options) - {"causal"})).policy == "wgmma"
     options = {n: (x.astype(dtype) if n == "bias" else x) for n, x in options.items()}
@@ -267,9 +274,7 @@ def test_backward_matches_reference(case: Case) -> None:
 ])
 def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
     """The wgmma backward (compute capability 9.0, no score option) on partial tiles."""
-    arch, smem = cuda.device_limits(cupy.cuda.Device().id)
-    if arch != 90:
-        pytest.skip(f"wgmma kernels need compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    arch, smem = _sm90_limits("wgmma kernels need")
     b, hq, hk, lq, lk, d, dv = shape
     assert select_backward(np.dtype(dtype).name, d, dv, arch, smem, full=False).policy == "wgmma"
     _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
@@ -292,9 +297,7 @@ def test_split_roles_backward_matches_reference(dtype, shape, options) -> None:
     """The dK/dV kernel with two warps per 16 keys (float32 and float64 at D = 96 and 128,
     compute capability 9.0, no score option), P handed from the dV warp to the dK warp, on
     partial tiles and every band."""
-    arch, smem = cuda.device_limits(cupy.cuda.Device().id)
-    if arch != 90:
-        pytest.skip(f"split roles are chosen on compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    arch, smem = _sm90_limits("split roles are chosen on")
     b, hq, hk, lq, lk, d, dv = shape
     assert select_backward(np.dtype(dtype).name, d, dv, arch, smem, full=False).roles == 2
     _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
@@ -305,9 +308,7 @@ def test_split_roles_packed_backward_equals_padded(dtype, d) -> None:
     """Packed sequences (cu_seqlens) through the split-roles dK/dV kernel: dK and dV equal the
     padded batch's bit for bit (same tiles from each sequence's start, no atomics), dQ (added
     by atomics in any order) to rounding."""
-    arch, _ = cuda.device_limits(cupy.cuda.Device().id)
-    if arch != 90:
-        pytest.skip(f"split roles are chosen on compute capability 9.0, this GPU has {arch // 10}.{arch % 10}")
+    _sm90_limits("split roles are chosen on")
     ql, kl = np.array([70, 1, 130]), np.array([90, 77, 5])
     case = _case((3, 2, 130, d), (3, 2, 90, d), dtype=dtype)
     opts = {"causal": True, "backend": "cuda"}
