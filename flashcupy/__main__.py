@@ -143,6 +143,7 @@ POLICY_DESCRIPTIONS = {
     "wgmma": "Hopper warpgroup tensor cores (wgmma.mma_async)",
     "tf32": "TF32 tensor cores (allow_tf32: one TF32 product per product)",
     "tf32x3": "TF32 tensor cores, three products per product (3xTF32: float32 accuracy)",
+    "wgmma_tf32x3": "Hopper warpgroup TF32 tensor cores, three products per product (3xTF32)",
     "dmma": "FP64 tensor cores (DMMA)",
     "simt": "SIMT (CUDA-core FMA)",
 }
@@ -210,7 +211,8 @@ def _gpus() -> tuple[list[dict[str, Any]], str | None]:
 
 def kernel_paths(arch: int | None) -> dict[str, str]:
     """Which kernel path each dtype takes on a GPU of compute capability ``arch`` (None: no GPU)."""
-    from flashcupy.cuda.spec import WGMMA_HEAD_DIMS, force_portable, forward_policy, policy_for
+    from flashcupy.cuda.spec import (HEAD_DIM_BUCKETS, WGMMA_HEAD_DIMS, WGMMA_TF32_HEAD_DIMS, force_portable,
+                                     forward_policy, policy_for)
 
     paths = {}
     for label, dtype, tf32 in [(name, name, False) for name in DTYPES] + [("float32 allow_tf32", "float32", True)]:
@@ -223,6 +225,11 @@ def kernel_paths(arch: int | None) -> dict[str, str]:
             if wide != policy:
                 dims = "/".join(map(str, WGMMA_HEAD_DIMS))
                 paths[label] += f"; forward at head dims {dims}: {wide}: {POLICY_DESCRIPTIONS[wide]}"
+            if policy == "tf32x3" and arch == 90:
+                top = WGMMA_TF32_HEAD_DIMS[-1]
+                dims = f"{HEAD_DIM_BUCKETS[HEAD_DIM_BUCKETS.index(top) - 1] + 1}-{top}"
+                paths[label] += (f"; forward at head dims {dims} without score options: wgmma_tf32x3: "
+                                 f"{POLICY_DESCRIPTIONS['wgmma_tf32x3']}")
     return paths
 
 

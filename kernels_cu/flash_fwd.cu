@@ -178,6 +178,121 @@ struct OnlineSoftmax {
     }
 };
 
+// The main loop of the float32 forward on Hopper's TF32 warpgroup products (MmaWgmmaTf32x3,
+// plain kernels: no option touches the scores beyond causal, window and lengths), for one
+// warpgroup of 64 rows. Its operands in shared memory are split into hi and lo tiles (and V
+// transposed) by the block after each copy lands, so every tile passes through three stages:
+//   raw copy (cp.async) -> split / transpose (all threads) -> products (tensor cores).
+// Iteration t issues S_{t+1} = Q K_{t+1}^T and D = P_t V_t; the tensor cores run them in that
+// order, while the block splits K_{t+2} and V_{t+1} (S's time) and then takes the softmax of
+// S_{t+1} (D's time). O = (O + D) alpha_{t+1} follows once D has landed. P_t V_t goes into D, not O: the tensor cores' accumulation
+// truncates rather than rounds, and over thousands of keys that error grew past float32's
+// tolerance in O (MmaTf32::pv); a sum per key tile added into O rounds to nearest.
+// Shared memory (Sw128 tiles): Q hi (the tile flash_fwd copied Q into) and lo (64, HD); two
+// stages each of K hi (copied raw, split in place) and lo (BLOCK_N, HD), V^T hi and lo (DV,
+// BLOCK_N) and V as copied (BLOCK_N, DV).
+template <typename Policy, int HD, int DV, int BLOCK_N, int THREADS, typename Softmax>
+__device__ __forceinline__ void forward_wgmma_tf32x3(float* sQ, Softmax& softmax, const Params& p, const float* gK,
+                                                     const float* gV, int dv_load, int j0, int hi,
+                                                     float (&o)[1][DV / 8][4]) {
+    static_assert(THREADS == 128, "one warpgroup");
+    using QTile = Sw128Tile<float, 64, HD>;
+    using KTile = Sw128Tile<float, BLOCK_N, HD>;
+    using VTile = Sw128Tile<float, BLOCK_N, DV>;   // raw V
+    using VtTile = Sw128Tile<float, DV, BLOCK_N>;  // V^T
+    float* sQl = sQ + QTile::ELEMS;                // (64, HD)
+    float* sKh = sQl + QTile::ELEMS;               // 2 x (BLOCK_N, HD)
+    float* sKl = sKh + 2 * KTile::ELEMS;           // 2 x (BLOCK_N, HD)
+    float* sVh = sKl + 2 * KTile::ELEMS;           // 2 x (DV, BLOCK_N)
+    float* sVl = sVh + 2 * VtTile::ELEMS;          // 2 x (DV, BLOCK_N)
+    float* sV = sVl + 2 * VtTile::ELEMS;           // 2 x (BLOCK_N, DV)
+    const int tiles = j0 < hi ? (hi - j0 + BLOCK_N - 1) / BLOCK_N : 0;
+    if (tiles == 0) return;  // flash_fwd waits for the copy of Q
+    auto key0 = [&](int t) { return j0 + t * BLOCK_N; };
+    // Raw copies of K_t and V_t into stage t % 2 (one cp.async group, empty past the last tile).
+    auto load = [&](int t) {
+        if (t < tiles) {
+            const int j = key0(t);
+            KTile::template load<THREADS>(sKh + (t & 1) * KTile::ELEMS, gK + j * p.k_sr, p.k_sr, hi - j, p.d);
+            VTile::template load<THREADS>(sV + (t & 1) * VTile::ELEMS, gV + j * p.v_sr, p.v_sr, hi - j, dv_load);
+        }
+        cp_async_commit();
+    };
+    auto split_k = [&](int t) {
+        if (t < tiles) Policy::template split_tile<KTile::ELEMS, THREADS>(sKh + (t & 1) * KTile::ELEMS, sKl + (t & 1) * KTile::ELEMS);
+    };
+    auto split_v = [&](int t) {
+        if (t < tiles)
+            Policy::template transpose_split<BLOCK_N, DV, THREADS>(sV + (t & 1) * VTile::ELEMS, sVh + (t & 1) * VtTile::ELEMS,
+                                                                  sVl + (t & 1) * VtTile::ELEMS);
+    };
+    auto issue_s = [&](int t, float (&s)[1][BLOCK_N / 8][4]) {  // S_t = Q K_t^T
+        Policy::template qk_issue<HD, BLOCK_N>(sQ, sQl, sKh + (t & 1) * KTile::ELEMS, sKl + (t & 1) * KTile::ELEMS, s);
+    };
+    typename Policy::template PSplit<BLOCK_N> ph, pl;  // P_t as hi and lo A fragments
+    float s[1][BLOCK_N / 8][4], d[1][DV / 8][4], alpha[2];
+
+    // Prologue: Q and tile 0 split, tile 1's copies in flight; S_0 and P_0; K_1 split, the
+    // copies of tile 2 in flight (into stage 0, free once S_0 has landed and V_0 is split).
+    load(0);  // with flash_fwd's copy of Q
+    load(1);
+    wait_tiles<1, false>();
+    Policy::template split_tile<QTile::ELEMS, THREADS>(sQ, sQl);
+    split_k(0);
+    split_v(0);
+    fence_proxy_async();
+    __syncthreads();
+    issue_s(0, s);
+    wgmma_wait<0>();
+    fence_regs(s[0]);
+    softmax.exponentiate(s, key0(0), min(key0(0) + BLOCK_N, hi), alpha);  // O is still 0: no rescale
+    Policy::template split_p<BLOCK_N>(s, ph, pl);
+    wait_tiles<0, false>();
+    split_k(1);
+    fence_proxy_async();
+    __syncthreads();
+    load(2);
+
+    // Iteration t: P_t in registers, K_{t+1} and V_t split, the copies of K_{t+2} and
+    // V_{t+1} in flight (the newest cp.async group).
+    auto issue_pv = [&](int t) {  // D = P_t V_t
+        Policy::template pv_issue<BLOCK_N, DV>(ph, pl, sVh + (t & 1) * VtTile::ELEMS, sVl + (t & 1) * VtTile::ELEMS, d);
+    };
+    // O = (O + D) alpha once D = P_t V_t has landed (its P fragments are free again then).
+    auto land_d = [&](const float (&scale)[2]) {
+        wgmma_wait<0>();
+        fence_regs(d[0]);
+        fence_regs(ph);
+        fence_regs(pl);
+#pragma unroll
+        for (int n = 0; n < DV / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[0][n][e] = (o[0][n][e] + d[0][n][e]) * scale[e >> 1];
+    };
+    for (int t = 0; t + 1 < tiles; ++t) {
+        issue_s(t + 1, s);
+        issue_pv(t);
+        // While S_{t+1} runs: K_{t+2} into the stage S_t read, V_{t+1} into the stage
+        // P_{t-1} V_{t-1} read (both products waited for by every thread before the last
+        // barrier); while P_t V_t runs, the softmax of S_{t+1}.
+        wait_tiles<0, false>();
+        split_k(t + 2);
+        split_v(t + 1);
+        fence_proxy_async();
+        wgmma_wait<1>();  // S_{t+1} has landed; P_t V_t may still run
+        fence_regs(s[0]);
+        const int j = key0(t + 1);
+        softmax.exponentiate(s, j, min(j + BLOCK_N, hi), alpha);
+        land_d(alpha);
+        Policy::template split_p<BLOCK_N>(s, ph, pl);
+        __syncthreads();  // the splits are visible; every thread is done with K_{t+1} and V_{t+1}'s copy
+        load(t + 3);
+    }
+    issue_pv(tiles - 1);
+    const float one[2] = {1.0f, 1.0f};
+    land_d(one);
+}
+
 template <typename T, typename Policy, int HD, int DV, int BLOCK_N, int NUM_WARPS, bool FULL, int STAGES>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     using Acc = typename Policy::Acc;
@@ -282,7 +397,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     // It costs a second score buffer, S_next live beside P and O: with the full score
     // pipeline at HD = 256 that spills, and those kernels take the loop below.
     constexpr bool OVERLAP = WG && !(FULL && HD > 128);
-    if constexpr (OVERLAP) {
+    if constexpr (kWgmmaTf32x3<Policy>) {
+        static_assert(!FULL && MI == 1 && NUM_WARPS == 4, "plain kernels of one warpgroup");
+        forward_wgmma_tf32x3<Policy, HD, DV, BLOCK_N, THREADS>(sQ, softmax, p, gK, gV, dv_load, j0, hi, o);
+    } else if constexpr (OVERLAP) {
         // Tile i's K and V sit in stage i % 2, but K runs a tile ahead of V: iteration i
         // reads K_{i+1} and V_i, then refills their stages with K_{i+3} and V_{i+2}, so
         // every copy has a whole iteration to land. One cp.async group per refill.

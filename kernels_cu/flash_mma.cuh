@@ -312,14 +312,19 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&c)[4], const u32 (&a)[4
 // hi of an infinity is that infinity and lo NaN; hi of a NaN may be anything (0x7fffffff
 // carries into the sign bit) but lo is NaN. Either way the products read NaN, and a
 // non-finite input still gives non-finite results wherever it is read.
+// SPLIT = true's step for one element (also the Hopper 3xTF32 kernel's, flash_wgmma.cuh).
+__device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
+}
+
 template <bool SPLIT, int N>
 struct Tf32Frag {
     u32 hi[N];
     u32 lo[SPLIT ? N : 1];
     __device__ __forceinline__ void set(int i, float x) {
         if constexpr (SPLIT) {
-            hi[i] = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
-            lo[i] = __float_as_uint(x - __uint_as_float(hi[i]));
+            tf32_split(x, hi[i], lo[i]);
         } else {
             hi[i] = to_tf32(x);
         }

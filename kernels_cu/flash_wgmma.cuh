@@ -28,20 +28,23 @@
 
 namespace flash {
 
-// A (ROWS, COLS) tile in 64-column slabs of 128-byte rows with the 128-byte swizzle.
-// The tile's base must be 1024-byte aligned (the swizzle pattern repeats every 8 rows).
+// A (ROWS, COLS) tile in slabs of 128-byte rows (64 two-byte or 32 four-byte columns)
+// with the 128-byte swizzle. The tile's base must be 1024-byte aligned (the swizzle
+// pattern repeats every 8 rows).
 template <typename T, int ROWS, int COLS>
 struct Sw128Tile {
-    static_assert(sizeof(T) == 2, "128-byte rows of 64 two-byte elements");
-    static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole slabs of whole 8-row swizzle atoms");
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4, "128-byte rows of 64 two-byte or 32 four-byte elements");
+    static constexpr int SLAB_COLS = 128 / sizeof(T);
+    static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte chunk
+    static_assert(COLS % SLAB_COLS == 0 && ROWS % 8 == 0, "whole slabs of whole 8-row swizzle atoms");
     static constexpr int SLAB_BYTES = ROWS * 128;
     static constexpr int ELEMS = ROWS * COLS;
 
-    // Element offset of column c, a multiple of 64: the start of its slab, from which the
-    // columns to the right form again an Sw128 tile of ROWS rows.
+    // Element offset of column c, a multiple of SLAB_COLS: the start of its slab, from which
+    // the columns to the right form again an Sw128 tile of ROWS rows.
     static __host__ __device__ constexpr int column(int c) { return c * ROWS; }
 
-    // Byte offset of the 16-byte chunk c (columns 8c .. 8c + 7) of row r.
+    // Byte offset of the 16-byte chunk c (columns VEC c .. VEC c + VEC - 1) of row r.
     static __device__ __forceinline__ int chunk_offset(int r, int c) {
         return (c >> 3) * SLAB_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4);
     }
@@ -51,8 +54,8 @@ struct Sw128Tile {
     template <int THREADS>
     static __device__ __forceinline__ void load(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols) {
         unsigned char* base = reinterpret_cast<unsigned char*>(smem);
-        copy_chunks<T, ROWS, COLS / 8, THREADS>(gmem, stride, valid_rows, valid_cols,
-                                                [base](int r, int c) { return base + chunk_offset(r, c); });
+        copy_chunks<T, ROWS, COLS / VEC, THREADS>(gmem, stride, valid_rows, valid_cols,
+                                                  [base](int r, int c) { return base + chunk_offset(r, c); });
     }
 };
 
@@ -90,6 +93,20 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes
     return u64((addr & 0x3ffffu) >> 4) | u64(lbo_bytes >> 4) << 16 | u64(sbo_bytes >> 4) << 32 | u64(1) << 62;
 }
 
+// sw128_desc(addr, 16, 1024) in two 32-bit halves, for the K-major operands of the TF32
+// products: a k-step's descriptor is then one 32-bit addition to the start-address field
+// (offsets inside shared memory never carry out of its 14 bits). The base is made opaque
+// where it is formed, so that the compiler forms each derived descriptor where a product
+// uses it instead of keeping dozens of them live across the loop.
+struct Sw128Desc {
+    u32 lo, hi;
+    __device__ __forceinline__ explicit Sw128Desc(u32 addr)
+        : lo(((addr & 0x3ffffu) >> 4) | (16u >> 4) << 16), hi((1024u >> 4) | 1u << 30) {
+        asm volatile("" : "+r"(lo));
+    }
+    __device__ __forceinline__ u64 at(u32 byte_offset) const { return u64(lo + (byte_offset >> 4)) | u64(hi) << 32; }
+};
+
 __device__ __forceinline__ void wgmma_fence() { FLASH_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { FLASH_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits until at most N of this warpgroup's committed groups are still running (groups
@@ -124,6 +141,9 @@ __device__ __forceinline__ void wait_tiles() {
     if constexpr (WARPGROUP) fence_proxy_async();
     __syncthreads();
 }
+
+// Whether a policy is MmaWgmmaTf32x3 (below), whose forward has its own main loop.
+template <typename Policy> constexpr bool kWgmmaTf32x3 = false;
 
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -174,6 +194,28 @@ template <> struct Wgmma<__nv_bfloat16, 32> { FLASH_WGMMA(32, "bf16", FLASH_ACC1
 template <> struct Wgmma<__nv_bfloat16, 64> { FLASH_WGMMA(64, "bf16", FLASH_ACC32, FLASH_REGS32, "32", "33", "34", "35", "36") };
 template <> struct Wgmma<__nv_bfloat16, 128> { FLASH_WGMMA(128, "bf16", FLASH_ACC64, FLASH_REGS64, "64", "65", "66", "67", "68") };
 
+// The same for float32 operands as TF32 (m64nNk8): both shared-memory operands K-major, as
+// TF32 has no transposing form. SCALE_D = false overwrites D with A B instead of adding to it.
+// A0..A5: the operand numbers after the N / 2 accumulators.
+#define FLASH_WGMMA_TF32(N, ACC, REGS, A0, A1, A2, A3, A4, A5)                                         \
+    template <bool SCALE_D>                                                                             \
+    static __device__ __forceinline__ void ss(float (&acc)[N / 8][4], u64 a_desc, u64 b_desc) {          \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 " REGS ", %" A0 ", %" A1   \
+                     ", %" A2 ", 1, 1;\n"                                                               \
+                     : ACC : "l"(a_desc), "l"(b_desc), "n"(int(SCALE_D)));                              \
+    }                                                                                                   \
+    template <bool SCALE_D>                                                                             \
+    static __device__ __forceinline__ void rs(float (&acc)[N / 8][4], const u32 (&a)[4], u64 b_desc) {   \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 " REGS ", {%" A0 ", %" A1  \
+                     ", %" A2 ", %" A3 "}, %" A4 ", %" A5 ", 1, 1;\n"                                    \
+                     : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(int(SCALE_D))); \
+    }
+
+template <int N> struct WgmmaTf32;
+template <> struct WgmmaTf32<32> { FLASH_WGMMA_TF32(32, FLASH_ACC16, FLASH_REGS16, "16", "17", "18", "19", "20", "21") };
+template <> struct WgmmaTf32<128> { FLASH_WGMMA_TF32(128, FLASH_ACC64, FLASH_REGS64, "64", "65", "66", "67", "68", "69") };
+
+#undef FLASH_WGMMA_TF32
 #undef FLASH_WGMMA
 #undef FLASH_REGS64
 #undef FLASH_REGS32
@@ -258,6 +300,124 @@ struct MmaWgmma : MmaF16<T, 1> {
                                         + 4 * t) = a[0][kk][r];
     }
 };
+
+// float32 on Hopper (sm_90a) as three TF32 warpgroup products per product (3xTF32 with
+// Tf32Frag's split, float32 accuracy), for the plain forward (flash_fwd.cu's
+// forward_wgmma_tf32x3; one warpgroup, 64 rows). TF32 operands in shared memory must be
+// K-major: Q and K are (the head dim contiguous), V is not, so each V tile is rewritten as
+// V^T (DV, keys). The block splits every shared-memory operand once per tile into hi and lo
+// tiles, instead of every warp per fragment as mma.sync's MmaTf32 does; P is split in
+// registers into m16n8k8 A fragments per warp, its keys permuted inside each 8-key step
+// (column t is key 2t, column t + 4 key 2t + 1: no shuffle), and V^T stores its keys in
+// that order.
+struct MmaWgmmaTf32x3 : PassP<float, 1> {
+    static constexpr bool WARPGROUP = true;
+    using Acc = float;
+    using One = MmaWgmmaTf32x3;
+    static constexpr int MI = 1;
+    template <int KEYS> using PSplit = u32[KEYS / 8][4];  // P's hi or lo A fragments, one per 8 keys
+
+    // Every element x of an N-element tile split into hi (in place) and lo (into sLo at the
+    // same offset). The split is per element, so the tiles' layout does not matter; a thread
+    // takes every THREADS-th 16-byte chunk. All THREADS threads call it.
+    template <int N, int THREADS>
+    static __device__ __forceinline__ void split_tile(float* sHi, float* sLo) {
+        static_assert(N % (4 * THREADS) == 0, "whole 16-byte chunks for every thread");
+#pragma unroll
+        for (int i = 4 * threadIdx.x; i < N; i += 4 * THREADS) {
+            const float4 x = *reinterpret_cast<const float4*>(sHi + i);
+            uint4 h, l;
+            tf32_split(x.x, h.x, l.x);
+            tf32_split(x.y, h.y, l.y);
+            tf32_split(x.z, h.z, l.z);
+            tf32_split(x.w, h.w, l.w);
+            *reinterpret_cast<uint4*>(sHi + i) = h;
+            *reinterpret_cast<uint4*>(sLo + i) = l;
+        }
+    }
+
+    // V (KEYS, DV), an Sw128 tile as copied, to V^T (DV, KEYS) split into hi and lo Sw128
+    // tiles, each 8-key step in P's column order: 16-byte chunk q of row d holds keys
+    // 8 (q / 2) + q % 2 + 2 m, m = 0..3. A thread per row d: a warp's scalar reads cover 32
+    // consecutive columns of one key row and its chunk writes 8 consecutive rows per quarter
+    // warp, whose swizzled chunks differ, so neither has bank conflicts.
+    template <int KEYS, int DV, int THREADS>
+    static __device__ __forceinline__ void transpose_split(const float* sV, float* sHi, float* sLo) {
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(sV);
+        unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
+        unsigned char* lo = reinterpret_cast<unsigned char*>(sLo);
+        for (int d = threadIdx.x; d < DV; d += THREADS) {
+#pragma unroll
+            for (int q = 0; q < KEYS / 4; ++q) {
+                u32 h[4], l[4];
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const int key = 8 * (q >> 1) + (q & 1) + 2 * m;
+                    tf32_split(*reinterpret_cast<const float*>(src + Sw128Tile<float, KEYS, DV>::chunk_offset(key, d >> 2)
+                                                               + 4 * (d & 3)), h[m], l[m]);
+                }
+                const int at = Sw128Tile<float, DV, KEYS>::chunk_offset(d, q);
+                *reinterpret_cast<uint4*>(hi + at) = make_uint4(h[0], h[1], h[2], h[3]);
+                *reinterpret_cast<uint4*>(lo + at) = make_uint4(l[0], l[1], l[2], l[3]);
+            }
+        }
+    }
+
+    // S (16 per warp, N) = Q K^T for the block's one warpgroup: Q (64, HD) and K (N, HD) as
+    // hi and lo Sw128 tiles. Per 8-wide k-step the small cross terms first, as MmaTf32; the
+    // first product overwrites S, which needs no zeroing.
+    template <int HD, int N>
+    static __device__ __forceinline__ void qk_issue(const float* sQh, const float* sQl, const float* sKh,
+                                                    const float* sKl, float (&s)[1][N / 8][4]) {
+        const Sw128Desc qh(smem_addr(sQh)), ql(smem_addr(sQl)), kh(smem_addr(sKh)), kl(smem_addr(sKl));
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 8; ++kk) {  // slab kk / 4, 32 bytes per k-step inside it
+            const u32 q_off = (kk / 4) * (64 * 128) + (kk % 4) * 32, k_off = (kk / 4) * (N * 128) + (kk % 4) * 32;
+            if (kk == 0) {
+                WgmmaTf32<N>::template ss<false>(s[0], ql.at(q_off), kh.at(k_off));
+            } else {
+                WgmmaTf32<N>::template ss<true>(s[0], ql.at(q_off), kh.at(k_off));
+            }
+            WgmmaTf32<N>::template ss<true>(s[0], qh.at(q_off), kl.at(k_off));
+            WgmmaTf32<N>::template ss<true>(s[0], qh.at(q_off), kh.at(k_off));
+        }
+        wgmma_commit();
+    }
+
+    // P (16 per warp, KEYS) in the accumulator layout -> its hi and lo A fragments.
+    template <int KEYS>
+    static __device__ __forceinline__ void split_p(const float (&s)[1][KEYS / 8][4], PSplit<KEYS>& ph, PSplit<KEYS>& pl) {
+#pragma unroll
+        for (int kk = 0; kk < KEYS / 8; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)  // A (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4): keys 2t and 2t + 1
+                tf32_split(s[0][kk][(e >> 1) | (e & 1) << 1], ph[kk][e], pl[kk][e]);
+    }
+
+    // D (16 per warp, DV) = P V with P as hi and lo fragments and V^T (DV, KEYS) as hi and lo
+    // Sw128 tiles; the first product overwrites D (a per-tile sum, see forward_wgmma_tf32x3).
+    template <int KEYS, int DV>
+    static __device__ __forceinline__ void pv_issue(const PSplit<KEYS>& ph, const PSplit<KEYS>& pl, const float* sVh,
+                                                    const float* sVl, float (&d)[1][DV / 8][4]) {
+        const Sw128Desc vh(smem_addr(sVh)), vl(smem_addr(sVl));
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KEYS / 8; ++kk) {
+            const u32 off = (kk / 4) * (DV * 128) + (kk % 4) * 32;
+            if (kk == 0) {
+                WgmmaTf32<DV>::template rs<false>(d[0], pl[kk], vh.at(off));
+            } else {
+                WgmmaTf32<DV>::template rs<true>(d[0], pl[kk], vh.at(off));
+            }
+            WgmmaTf32<DV>::template rs<true>(d[0], ph[kk], vl.at(off));
+            WgmmaTf32<DV>::template rs<true>(d[0], ph[kk], vh.at(off));
+        }
+        wgmma_commit();
+    }
+};
+
+template <> constexpr bool kWgmmaTf32x3<MmaWgmmaTf32x3> = true;
 
 #endif  // sm_90a
 

@@ -67,6 +67,7 @@ def test_kernel_paths_per_architecture() -> None:
     assert paths["float16"].startswith("mma16") and paths["bfloat16"].startswith("mma16")
     assert paths["float32"].startswith("tf32x3") and paths["float32 allow_tf32"].startswith("tf32:")
     assert paths["float64"].startswith("dmma")
+    assert "wgmma_tf32x3" in paths["float32"] and "wgmma_tf32x3" not in cli.kernel_paths(80)["float32"]
     assert {p.split(":")[0] for p in cli.kernel_paths(75).values()} == {"simt"}
 
 

@@ -110,6 +110,42 @@ def test_hopper_forward_matches_reference(dtype, shape, options) -> None:
     _check_forward(_case((b, h, lq, d), (b, h, lk, d), dv=dv, dtype=dtype, **options))
 
 
+@pytest.mark.parametrize("shape, options", [
+    ((2, 3, 3, 333, 290, 128, 128), {}),
+    ((2, 4, 2, 300, 517, 128, 128), {"causal": True}),  # GQA; 17 key tiles: the loop's steady state
+    ((1, 2, 1, 70, 33, 80, 112), {}),  # Dv wider than D, MQA, the second key tile one key wide
+    ((1, 2, 2, 1, 77, 100, 112), {"causal": True}),
+    ((2, 2, 2, 290, 333, 128, 128), {"causal": "top_left"}),
+    ((1, 3, 3, 200, 200, 128, 64), {"window": (40, 7), "q_lengths": np.array([150]), "kv_lengths": np.array([171])}),
+    ((1, 2, 2, 129, 1, 128, 128), {}),  # one key: one tile, no loop iteration
+    ((1, 2, 2, 64, 64, 97, 97), {"scale": -0.3}),  # two key tiles
+    ((1, 2, 1, 150, 90, 120, 120), {"causal": True}),  # bottom-right, lq > lk: 60 rows without keys
+    ((2, 2, 2, 111, 111, 104, 104), {"window": (9, 30), "kv_lengths": np.array([111, 50])}),
+    ((1, 1, 1, 64, 8192, 128, 128), {}),  # 256 key tiles: O's per-tile sums keep float32 accuracy
+])
+def test_hopper_tf32x3_forward_matches_reference(shape, options) -> None:
+    """The float32 forward on 3xTF32 warpgroup products (compute capability 9.0, head dims
+    97 to 128, no score option) on partial tiles and every band."""
+    arch, smem = _sm90_limits("3xTF32 wgmma kernels need")
+    b, hq, hk, lq, lk, d, dv = shape
+    assert select_forward("float32", d, dv, arch, smem, full=False).policy == "wgmma_tf32x3"
+    _check_forward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=F32, **options))
+
+
+def test_hopper_tf32x3_packed_forward_equals_padded() -> None:
+    """Packed sequences (cu_seqlens) through the 3xTF32 wgmma forward equal the padded batch
+    bit for bit: the same tiles from each sequence's start."""
+    _sm90_limits("3xTF32 wgmma kernels need")
+    ql, kl = np.array([70, 1, 130]), np.array([90, 77, 5])
+    case = _case((3, 2, 130, 128), (3, 2, 90, 128), dtype=F32)
+    packed = [cupy.asarray(padded_to_packed(x, n)) for x, n in ((case.q, ql), (case.k, kl), (case.v, kl))]
+    out = fc.flash_attention(*packed, cu_seqlens_q=cu_seqlens(ql), cu_seqlens_k=cu_seqlens(kl), causal=True,
+                             backend="cuda").get()
+    padded = fc.flash_attention(*(cupy.asarray(x) for x in (case.q, case.k, case.v)), causal=True, q_lengths=ql,
+                                kv_lengths=kl, backend="cuda").get()
+    assert np.array_equal(out, padded_to_packed(padded, ql))
+
+
 @GPU_SETTINGS
 @given(cases())
 def test_portable_path_matches_reference(case: Case) -> None:

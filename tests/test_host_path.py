@@ -343,6 +343,26 @@ def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype)
                                                                                                else 1)
 
 
+def test_tf32x3_wgmma_forward_only_for_plain_float32_at_128_on_sm90() -> None:
+    """The 3xTF32 warpgroup forward where measured: float32 at float32 accuracy, no score
+    option, padded head dim 128, sm_90; one warpgroup of 64 rows, 32-key tiles, and its hi and
+    lo tiles (Q, K, V^T) beside the copied V in shared memory, which take one block an SM."""
+    smem = S.ARCH_SMEM[90]
+    for d, dv in ((97, 97), (128, 128), (64, 128), (128, 1)):
+        spec = S.select_forward("float32", d, dv, 90, smem, full=False)
+        assert spec.policy == "wgmma_tf32x3" and spec.name_expression == (
+            "flash::flash_fwd<float, flash::MmaWgmmaTf32x3, 128, 128, 32, 4, false, 2>")
+        assert (spec.block_m, spec.threads) == (64, 128)
+        # Q hi and lo (64, 128); per stage K hi and lo (32, 128), V^T hi and lo (128, 32), V (32, 128)
+        assert spec.smem_bytes == 4 * (2 * 64 * 128 + 2 * (2 * 32 * 128 + 3 * 32 * 128)) + 1024 <= smem
+        assert 2 * spec.smem_bytes > smem
+    for d, arch, full, tf32 in ((96, 90, False, False), (200, 90, False, False), (128, 90, True, False),
+                                (128, 90, False, True), (128, 80, False, False), (128, 89, False, False)):
+        assert S.select_forward("float32", d, d, arch, S.ARCH_SMEM[arch], allow_tf32=tf32,
+                                full=full).policy != "wgmma_tf32x3"
+    assert S.select_forward("float32", 128, 128, 90, 200 * 1024, full=False).policy == "tf32x3"
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_hopper_backward_takes_wgmma_only_without_options(dtype) -> None:
     """The wgmma backward (sm_90a) covers plain problems with a fused dQ: two warpgroups of

@@ -59,6 +59,11 @@ POLICIES = {
     "dmma": (lambda t, mi: "flash::MmaF64", 1, lambda full: 128,
              lambda hd, full, arch: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64 and not full
              else ((16, 8),) * (hd <= 128) + ((16, 4), (16, 2), (16, 1), (8, 1))),
+    # Hopper (sm_90a), float32 at float32 accuracy without score options: 3xTF32 on wgmma, one
+    # warpgroup of 64 rows and 32-key tiles (S, P's split fragments, O and a per-tile P V sum
+    # fill 229 registers at D = 128); its split hi and lo tiles fill shared memory, one block
+    # an SM.
+    "wgmma_tf32x3": (lambda t, mi: "flash::MmaWgmmaTf32x3", 1, lambda full: 128, lambda hd, full, arch: ((32, 4),)),
     "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, lambda full: 64,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
 }
@@ -113,7 +118,12 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: Q (BLOCK_M, HD) and ``stages`` of K (BLOCK_N, HD) and V
         (BLOCK_N, DV); rows padded by 16 bytes, or (wgmma) swizzled without padding and
-        1024 bytes of slack to align the tiles."""
+        1024 bytes of slack to align the tiles. wgmma_tf32x3 (flash_fwd.cu's
+        forward_wgmma_tf32x3): Q and per stage K as hi and lo tiles, per stage V^T as hi and
+        lo tiles and V as copied."""
+        if self.policy == "wgmma_tf32x3":
+            kv = self.stages * self.block_n * (2 * self.head_dim + 3 * self.dv_tile)
+            return (2 * self.block_m * self.head_dim + kv) * self.itemsize + 1024
         pad, slack = (0, 1024) if self.policy == "wgmma" else (16 // self.itemsize, 0)
         kv = self.stages * self.block_n
         elems = (self.block_m + kv) * (self.head_dim + pad) + kv * (self.dv_tile + pad)
@@ -142,6 +152,12 @@ def policy_for(dtype: str, arch: int, allow_tf32: bool, portable: bool) -> str:
 #: rows). Since the products overlap the softmax, 64 is faster on wgmma too (H200, L = 4096:
 #: 0.90x FA2 against mma.sync's 0.81x): see bench/NOTES.md.
 WGMMA_HEAD_DIMS = (64, 128, 256)
+
+
+#: Padded head dims the 3xTF32 wgmma forward takes (plain kernels on sm_90): at 96 the
+#: mma.sync kernel is faster (H100, L = 1024 / 4096: 1.24-1.31x SDPA-efficient against
+#: 1.14-1.19x; bench/NOTES.md).
+WGMMA_TF32_HEAD_DIMS = (128,)
 
 
 #: Padded head dims the wgmma backward takes (without options, dQ fused): dK, dV, S^T, dP^T
@@ -184,6 +200,10 @@ def _select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     """:func:`select_forward` with ``portable`` decided, computed once per distinct arguments."""
     hd = head_dim_bucket(max(d, dv))
     policy = forward_policy(dtype, hd, arch, allow_tf32, portable)
+    if policy == "tf32x3" and arch == 90 and hd in WGMMA_TF32_HEAD_DIMS and not full:
+        spec = KernelSpec(dtype, "wgmma_tf32x3", hd, hd, 32, 4, False, 2)
+        if spec.smem_bytes <= smem_limit:
+            return spec
     _, _, dv_cap, candidates = POLICIES[policy]
     dv_tile = min(hd, dv_cap(full))
     for block_n, warps in candidates(hd, full, arch):
