@@ -1,5 +1,5 @@
 // Hopper's warpgroup products (wgmma.mma_async, sm_90a) for float16/bfloat16 attention,
-// forward and backward.
+// forward and backward, and for the float32 forward as 3xTF32 (MmaWgmmaTf32x3, below).
 //
 // A warpgroup (4 consecutive warps, 128 threads) multiplies a (64, K) A operand by a (K, N)
 // B operand in one instruction per 16-wide k-step; the tensor cores read B, and A when it
@@ -10,7 +10,7 @@
 // m16n8k16's: the score pipeline, the online softmax and pack_p work unchanged.
 //
 // Shared memory holds every operand in the canonical 128-byte-swizzled layout (Sw128Tile):
-// 64-column slabs of (rows, 64) elements, 128 bytes a row, whose 16-byte chunk c of row r
+// slabs of 128-byte rows (64 two-byte or 32 four-byte elements), whose 16-byte chunk c of row r
 // sits at chunk c ^ (r % 8). The XOR spreads the 8 rows of a core matrix over all 32 banks
 // for the tensor cores' reads and for the 16-byte cp.async writes alike, with no padding.
 //   Q and K are K-major operands (the head dim contiguous): one descriptor per k-step,
