@@ -228,7 +228,7 @@ def kernel_paths(arch: int | None) -> dict[str, str]:
             if policy == "tf32x3" and arch == 90:
                 top = WGMMA_TF32_HEAD_DIMS[-1]
                 dims = f"{HEAD_DIM_BUCKETS[HEAD_DIM_BUCKETS.index(top) - 1] + 1}-{top}"
-                paths[label] += (f"; forward at head dims {dims} without score options: wgmma_tf32x3: "
+                paths[label] += (f"; forward at max(D, Dv) {dims} without score options: wgmma_tf32x3: "
                                  f"{POLICY_DESCRIPTIONS['wgmma_tf32x3']}")
     return paths
 

@@ -207,7 +207,10 @@ __device__ __forceinline__ void forward_wgmma_tf32x3(float* sQ, Softmax& softmax
     float* sVl = sVh + 2 * VtTile::ELEMS;          // 2 x (DV, BLOCK_N)
     float* sV = sVl + 2 * VtTile::ELEMS;           // 2 x (BLOCK_N, DV)
     const int tiles = j0 < hi ? (hi - j0 + BLOCK_N - 1) / BLOCK_N : 0;
-    if (tiles == 0) return;  // flash_fwd waits for the copy of Q
+    if (tiles == 0) {  // commit flash_fwd's copy of Q, which flash_fwd then waits for
+        cp_async_commit();
+        return;
+    }
     auto key0 = [&](int t) { return j0 + t * BLOCK_N; };
     // Raw copies of K_t and V_t into stage t % 2 (one cp.async group, empty past the last tile).
     auto load = [&](int t) {
@@ -253,8 +256,8 @@ __device__ __forceinline__ void forward_wgmma_tf32x3(float* sQ, Softmax& softmax
     __syncthreads();
     load(2);
 
-    // Iteration t: P_t in registers, K_{t+1} and V_t split, the copies of K_{t+2} and
-    // V_{t+1} in flight (the newest cp.async group).
+    // Iteration t: P_t in registers, K_{t+1} and V_t split, V_{t+1} copied, the copies of
+    // tile t + 2 in flight (the newest cp.async group).
     auto issue_pv = [&](int t) {  // D = P_t V_t
         Policy::template pv_issue<BLOCK_N, DV>(ph, pl, sVh + (t & 1) * VtTile::ELEMS, sVl + (t & 1) * VtTile::ELEMS, d);
     };
@@ -272,12 +275,13 @@ __device__ __forceinline__ void forward_wgmma_tf32x3(float* sQ, Softmax& softmax
     for (int t = 0; t + 1 < tiles; ++t) {
         issue_s(t + 1, s);
         issue_pv(t);
-        // While S_{t+1} runs: K_{t+2} into the stage S_t read, V_{t+1} into the stage
-        // P_{t-1} V_{t-1} read (both products waited for by every thread before the last
-        // barrier); while P_t V_t runs, the softmax of S_{t+1}.
+        // While S_{t+1} runs: V_{t+1} (copied an iteration ago) into the stage P_{t-1} V_{t-1}
+        // read, then, once its copy has landed, K_{t+2} into the stage S_t read (both products
+        // waited for by every thread before the last barrier); while P_t V_t runs, the
+        // softmax of S_{t+1}.
+        split_v(t + 1);
         wait_tiles<0, false>();
         split_k(t + 2);
-        split_v(t + 1);
         fence_proxy_async();
         wgmma_wait<1>();  // S_{t+1} has landed; P_t V_t may still run
         fence_regs(s[0]);

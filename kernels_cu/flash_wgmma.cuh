@@ -2,7 +2,7 @@
 // forward and backward, and for the float32 forward as 3xTF32 (MmaWgmmaTf32x3, below).
 //
 // A warpgroup (4 consecutive warps, 128 threads) multiplies a (64, K) A operand by a (K, N)
-// B operand in one instruction per 16-wide k-step; the tensor cores read B, and A when it
+// B operand in one instruction per k-step (16 wide for float16/bfloat16, 8 for TF32); the tensor cores read B, and A when it
 // is not in registers, straight from shared memory through a matrix descriptor, so no
 // ldmatrix is issued and no fragment of K or V occupies registers. The accumulator of warp
 // w of the warpgroup covers rows 16 w .. 16 w + 15 in exactly the layout of mma.sync m16n8
@@ -324,7 +324,8 @@ struct MmaWgmmaTf32x3 : PassP<float, 1> {
     static __device__ __forceinline__ void split_tile(float* sHi, float* sLo) {
         static_assert(N % (4 * THREADS) == 0, "whole 16-byte chunks for every thread");
 #pragma unroll
-        for (int i = 4 * threadIdx.x; i < N; i += 4 * THREADS) {
+        for (int k = 0; k < N / (4 * THREADS); ++k) {
+            const int i = 4 * (threadIdx.x + k * THREADS);
             const float4 x = *reinterpret_cast<const float4*>(sHi + i);
             uint4 h, l;
             tf32_split(x.x, h.x, l.x);

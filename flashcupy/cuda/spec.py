@@ -61,8 +61,8 @@ POLICIES = {
              else ((16, 8),) * (hd <= 128) + ((16, 4), (16, 2), (16, 1), (8, 1))),
     # Hopper (sm_90a), float32 at float32 accuracy without score options: 3xTF32 on wgmma, one
     # warpgroup of 64 rows and 32-key tiles (S, P's split fragments, O and a per-tile P V sum
-    # fill 229 registers at D = 128); its split hi and lo tiles fill shared memory, one block
-    # an SM.
+    # fill 241 registers at D = 128); its split hi and lo tiles fill shared memory, one block
+    # an SM. select_forward builds its spec directly (padded head dim 128 only).
     "wgmma_tf32x3": (lambda t, mi: "flash::MmaWgmmaTf32x3", 1, lambda full: 128, lambda hd, full, arch: ((32, 4),)),
     "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, lambda full: 64,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
@@ -155,8 +155,8 @@ WGMMA_HEAD_DIMS = (64, 128, 256)
 
 
 #: Padded head dims the 3xTF32 wgmma forward takes (plain kernels on sm_90): at 96 the
-#: mma.sync kernel is faster (H100, L = 1024 / 4096: 1.24-1.31x SDPA-efficient against
-#: 1.14-1.19x; bench/NOTES.md).
+#: mma.sync kernel was faster than its first version (H100, L = 1024 / 4096: 1.24-1.31x
+#: SDPA-efficient against 1.14-1.19x; bench/NOTES.md).
 WGMMA_TF32_HEAD_DIMS = (128,)
 
 
