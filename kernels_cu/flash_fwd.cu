@@ -185,9 +185,10 @@ struct OnlineSoftmax {
 //   raw copy (cp.async) -> split / transpose (all threads) -> products (tensor cores).
 // Iteration t issues S_{t+1} = Q K_{t+1}^T and D = P_t V_t; the tensor cores run them in that
 // order, while the block splits K_{t+2} and V_{t+1} (S's time) and then takes the softmax of
-// S_{t+1} (D's time). O = (O + D) alpha_{t+1} follows once D has landed. P_t V_t goes into D, not O: the tensor cores' accumulation
-// truncates rather than rounds, and over thousands of keys that error grew past float32's
-// tolerance in O (MmaTf32::pv); a sum per key tile added into O rounds to nearest.
+// S_{t+1} (D's time). O = (O + D) alpha_{t+1} follows once D has landed. P_t V_t goes into
+// D, not O: the tensor cores' accumulation truncates rather than rounds, and over thousands
+// of keys that error grew past float32's tolerance in O (MmaTf32::pv); a sum per key tile
+// added into O rounds to nearest.
 // Shared memory (Sw128 tiles): Q hi (the tile flash_fwd copied Q into) and lo (64, HD); two
 // stages each of K hi (copied raw, split in place) and lo (BLOCK_N, HD), V^T hi and lo (DV,
 // BLOCK_N) and V as copied (BLOCK_N, DV).

@@ -2,16 +2,17 @@
 // forward and backward, and for the float32 forward as 3xTF32 (MmaWgmmaTf32x3, below).
 //
 // A warpgroup (4 consecutive warps, 128 threads) multiplies a (64, K) A operand by a (K, N)
-// B operand in one instruction per k-step (16 wide for float16/bfloat16, 8 for TF32); the tensor cores read B, and A when it
-// is not in registers, straight from shared memory through a matrix descriptor, so no
-// ldmatrix is issued and no fragment of K or V occupies registers. The accumulator of warp
-// w of the warpgroup covers rows 16 w .. 16 w + 15 in exactly the layout of mma.sync m16n8
-// (flash_mma.cuh), one (16, 8) tile after the other, and the A fragment from registers is
-// m16n8k16's: the score pipeline, the online softmax and pack_p work unchanged.
+// B operand in one instruction per k-step (16 wide for float16/bfloat16, 8 for TF32); the
+// tensor cores read B, and A when it is not in registers, straight from shared memory
+// through a matrix descriptor, so no ldmatrix is issued and no fragment of K or V occupies
+// registers. The accumulator of warp w of the warpgroup covers rows 16 w .. 16 w + 15 in
+// exactly the layout of mma.sync m16n8 (flash_mma.cuh), one (16, 8) tile after the other,
+// and the A fragment from registers is m16n8k16's: the score pipeline, the online softmax
+// and pack_p work unchanged.
 //
 // Shared memory holds every operand in the canonical 128-byte-swizzled layout (Sw128Tile):
-// slabs of 128-byte rows (64 two-byte or 32 four-byte elements), whose 16-byte chunk c of row r
-// sits at chunk c ^ (r % 8). The XOR spreads the 8 rows of a core matrix over all 32 banks
+// slabs of 128-byte rows (64 two-byte or 32 four-byte elements), whose 16-byte chunk c of
+// row r sits at chunk c ^ (r % 8). The XOR spreads the 8 rows of a core matrix over all 32 banks
 // for the tensor cores' reads and for the 16-byte cp.async writes alike, with no padding.
 //   Q and K are K-major operands (the head dim contiguous): one descriptor per k-step,
 //   8-row groups 1024 bytes apart (SBO); a k-step advances the start by 32 bytes inside
@@ -310,10 +311,9 @@ struct MmaWgmma : MmaF16<T, 1> {
 // registers into m16n8k8 A fragments per warp, its keys permuted inside each 8-key step
 // (column t is key 2t, column t + 4 key 2t + 1: no shuffle), and V^T stores its keys in
 // that order.
-struct MmaWgmmaTf32x3 : PassP<float, 1> {
+struct MmaWgmmaTf32x3 {
     static constexpr bool WARPGROUP = true;
     using Acc = float;
-    using One = MmaWgmmaTf32x3;
     static constexpr int MI = 1;
     template <int KEYS> using PSplit = u32[KEYS / 8][4];  // P's hi or lo A fragments, one per 8 keys
 

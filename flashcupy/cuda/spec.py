@@ -62,7 +62,7 @@ POLICIES = {
     # Hopper (sm_90a), float32 at float32 accuracy without score options: 3xTF32 on wgmma, one
     # warpgroup of 64 rows and 32-key tiles (S, P's split fragments, O and a per-tile P V sum
     # fill 241 registers at D = 128); its split hi and lo tiles fill shared memory, one block
-    # an SM. select_forward builds its spec directly (padded head dim 128 only).
+    # an SM. Tried before the plain tf32x3 kernel, at the padded head dims WGMMA_TF32_HEAD_DIMS.
     "wgmma_tf32x3": (lambda t, mi: "flash::MmaWgmmaTf32x3", 1, lambda full: 128, lambda hd, full, arch: ((32, 4),)),
     "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, lambda full: 64,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
@@ -201,9 +201,11 @@ def _select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     hd = head_dim_bucket(max(d, dv))
     policy = forward_policy(dtype, hd, arch, allow_tf32, portable)
     if policy == "tf32x3" and arch == 90 and hd in WGMMA_TF32_HEAD_DIMS and not full:
-        spec = KernelSpec(dtype, "wgmma_tf32x3", hd, hd, 32, 4, False, 2)
-        if spec.smem_bytes <= smem_limit:
-            return spec
+        _, _, dv_cap, candidates = POLICIES["wgmma_tf32x3"]
+        for block_n, warps in candidates(hd, full, arch):
+            spec = KernelSpec(dtype, "wgmma_tf32x3", hd, min(hd, dv_cap(full)), block_n, warps, False, 2)
+            if spec.smem_bytes <= smem_limit:
+                return spec
     _, _, dv_cap, candidates = POLICIES[policy]
     dv_tile = min(hd, dv_cap(full))
     for block_n, warps in candidates(hd, full, arch):
