@@ -51,16 +51,6 @@ __device__ __forceinline__ void acc_atomic_add2(double* address, double a, doubl
     atomicAdd(address + 1, b);
 }
 
-// Named barrier `id` (1 to 15; 0 is __syncthreads') of `threads` threads, a multiple of 32:
-// arrive signals without waiting, sync waits for all. The shared-memory writes a thread made
-// before arriving are visible to the threads that sync on the barrier (PTX's bar semantics).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // pass(FAST) with FAST a constant: two inlined copies of a tile's element pass, the fast
 // tiles' without any selection.
 template <typename F> __device__ __forceinline__ void by_tile(bool fast, F pass) {

@@ -50,6 +50,16 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Named barrier `id` (1 to 15; 0 is __syncthreads') of `threads` threads, a multiple of 32:
+// arrive signals without waiting, sync waits for all. The shared-memory writes a thread made
+// before arriving are visible to the threads that sync on the barrier (PTX's bar semantics).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Copies the 16-byte chunks [0, CHUNKS) of rows [0, ROWS) of a global matrix (row stride
 // `stride` elements) to shared memory, chunk c of row r at dst(r, c), zero-filling outside
 // (valid_rows, valid_cols). All THREADS threads call it. Where THREADS is a multiple of

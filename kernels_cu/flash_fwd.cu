@@ -178,128 +178,156 @@ struct OnlineSoftmax {
     }
 };
 
-// The main loop of the float32 forward on Hopper's TF32 warpgroup products (MmaWgmmaTf32x3,
-// plain kernels: no option touches the scores beyond causal, window and lengths), for one
-// warpgroup of 64 rows. Its operands in shared memory are split into hi and lo tiles (and V
-// transposed) by the block after each copy lands, so every tile passes through three stages:
-//   raw copy (cp.async) -> split / transpose (all threads) -> products (tensor cores).
-// Iteration t issues S_{t+1} = Q K_{t+1}^T and D = P_t V_t; the tensor cores run them in that
-// order, while the block splits K_{t+2} and V_{t+1} (S's time) and then takes the softmax of
-// S_{t+1} (D's time). O = (O + D) alpha_{t+1} follows once D has landed. P_t V_t goes into
-// D, not O: the tensor cores' accumulation truncates rather than rounds, and over thousands
-// of keys that error grew past float32's tolerance in O (MmaTf32::pv); a sum per key tile
-// added into O rounds to nearest.
-// Shared memory (Sw128 tiles): Q hi (the tile flash_fwd copied Q into) and lo (64, HD); two
-// stages each of K hi (copied raw, split in place) and lo (BLOCK_N, HD), V^T hi and lo (DV,
-// BLOCK_N) and V as copied (BLOCK_N, DV).
-template <typename Policy, int HD, int DV, int BLOCK_N, int THREADS, typename Softmax>
-__device__ __forceinline__ void forward_wgmma_tf32x3(float* sQ, Softmax& softmax, const Params& p, const float* gK,
-                                                     const float* gV, int dv_load, int j0, int hi,
-                                                     float (&o)[1][DV / 8][4]) {
-    static_assert(THREADS == 128, "one warpgroup");
-    using QTile = Sw128Tile<float, 64, HD>;
-    using KTile = Sw128Tile<float, BLOCK_N, HD>;
-    using VTile = Sw128Tile<float, BLOCK_N, DV>;   // raw V
-    using VtTile = Sw128Tile<float, DV, BLOCK_N>;  // V^T
-    float* sQl = sQ + QTile::ELEMS;                // (64, HD)
-    float* sKh = sQl + QTile::ELEMS;               // 2 x (BLOCK_N, HD)
-    float* sKl = sKh + 2 * KTile::ELEMS;           // 2 x (BLOCK_N, HD)
-    float* sVh = sKl + 2 * KTile::ELEMS;           // 2 x (DV, BLOCK_N)
-    float* sVl = sVh + 2 * VtTile::ELEMS;          // 2 x (DV, BLOCK_N)
-    float* sV = sVl + 2 * VtTile::ELEMS;           // 2 x (BLOCK_N, DV)
-    const int tiles = j0 < hi ? (hi - j0 + BLOCK_N - 1) / BLOCK_N : 0;
-    if (tiles == 0) {  // commit flash_fwd's copy of Q, which flash_fwd then waits for
-        cp_async_commit();
-        return;
-    }
-    auto key0 = [&](int t) { return j0 + t * BLOCK_N; };
-    // Raw copies of K_t and V_t into stage t % 2 (one cp.async group, empty past the last tile).
-    auto load = [&](int t) {
+// The float32 forward on Hopper's TF32 warpgroup products (MmaWgmmaTf32x3, plain kernels: no
+// option touches the scores beyond causal, window and lengths), for one consumer warpgroup of
+// 64 rows fed by a producer warpgroup. TF32 wgmma reads its shared-memory operands as they
+// are, so the producer splits them into hi and lo tiles once each has landed: Q once, and
+// every tile's K (in place) and V (from a staging tile, transposed: MmaWgmmaTf32x3::ColSplit).
+// The consumer only issues products and takes the softmax, its warps alone on their
+// schedulers but for the producer's; the copies and splits run beside its products instead
+// of between them.
+// Shared memory (Sw128 tiles): Q hi and lo (64, HD); two stages each of K hi and lo (BLOCK_N,
+// HD), V^T hi and lo (DV, BLOCK_N) and V as copied (BLOCK_N, DV). K and V^T have stages and
+// barriers of their own: the consumer is done with K_t (S_t = Q K_t^T) an iteration before
+// V_t.
+// Named barriers (0 is __syncthreads'), of both warpgroups: stage s of K or V^T full (the
+// producer arrives once its stores are fenced, the consumer waits before the product) or
+// empty (the consumer arrives once the products reading it have landed, the producer waits
+// before refilling it).
+enum Tf32x3Barrier : int { kFullK = 1, kFullV = 3, kEmptyK = 5, kEmptyV = 7 };
+
+template <typename Policy, int HD, int DV, int BLOCK_N, int THREADS>
+struct Tf32x3Smem {
+    using QSplit = typename Policy::template RowSplit<64, HD, THREADS>;
+    using KSplit = typename Policy::template RowSplit<BLOCK_N, HD, THREADS>;
+    using VSplit = typename Policy::template ColSplit<BLOCK_N, DV, THREADS>;
+    static constexpr int Q_ELEMS = 64 * HD, K_ELEMS = BLOCK_N * HD, V_ELEMS = DV * BLOCK_N;
+    float* qh;    // (64, HD)
+    float* ql;
+    float* kh;    // 2 x (BLOCK_N, HD)
+    float* kl;
+    float* vh;    // 2 x (DV, BLOCK_N)
+    float* vl;
+    float* vraw;  // 2 x (BLOCK_N, DV), VSplit's staging layout
+    __device__ __forceinline__ explicit Tf32x3Smem(float* base)
+        : qh(base), ql(qh + Q_ELEMS), kh(ql + Q_ELEMS), kl(kh + 2 * K_ELEMS), vh(kl + 2 * K_ELEMS),
+          vl(vh + 2 * V_ELEMS), vraw(vl + 2 * V_ELEMS) {}
+};
+
+__device__ __forceinline__ int tf32x3_tiles(int j0, int hi, int block_n) {
+    return j0 < hi ? (hi - j0 + block_n - 1) / block_n : 0;
+}
+
+// The producer warpgroup (threads THREADS .. 2 THREADS - 1): Q (q_rows valid rows of gQ),
+// then for every key tile t from j0 (keys past hi zero-filled) K_t and V_t into stage t % 2.
+// Tile t + 2's copies start as soon as the consumer is done with K_t (one cp.async group per
+// tile), so each has about an iteration of the consumer to land.
+template <typename Policy, int HD, int DV, int BLOCK_N, int THREADS>
+__device__ __forceinline__ void produce_tf32x3(float* smem, const Params& p, const float* gQ, int q_rows,
+                                               const float* gK, const float* gV, int dv_load, int j0, int hi) {
+    using Smem = Tf32x3Smem<Policy, HD, DV, BLOCK_N, THREADS>;
+    const Smem sm(smem);
+    const int tid = threadIdx.x - THREADS;
+    const int tiles = tf32x3_tiles(j0, hi, BLOCK_N);
+    if (tiles == 0) return;
+    auto copy = [&](int t) {  // tile t into stage t % 2; an empty group past the last tile
         if (t < tiles) {
-            const int j = key0(t);
-            KTile::template load<THREADS>(sKh + (t & 1) * KTile::ELEMS, gK + j * p.k_sr, p.k_sr, hi - j, p.d);
-            VTile::template load<THREADS>(sV + (t & 1) * VTile::ELEMS, gV + j * p.v_sr, p.v_sr, hi - j, dv_load);
+            const int j = j0 + t * BLOCK_N, s = t & 1;
+            Smem::KSplit::copy(sm.kh + s * Smem::K_ELEMS, gK + j * p.k_sr, p.k_sr, hi - j, p.d, tid);
+            Smem::VSplit::copy(sm.vraw + s * Smem::VSplit::RAW_ELEMS, gV + j * p.v_sr, p.v_sr, hi - j, dv_load, tid);
         }
         cp_async_commit();
     };
-    auto split_k = [&](int t) {
-        if (t < tiles) Policy::template split_tile<KTile::ELEMS, THREADS>(sKh + (t & 1) * KTile::ELEMS, sKl + (t & 1) * KTile::ELEMS);
-    };
-    auto split_v = [&](int t) {
-        if (t < tiles)
-            Policy::template transpose_split<BLOCK_N, DV, THREADS>(sV + (t & 1) * VTile::ELEMS, sVh + (t & 1) * VtTile::ELEMS,
-                                                                  sVl + (t & 1) * VtTile::ELEMS);
-    };
+    Smem::QSplit::copy(sm.qh, gQ, p.q_sr, q_rows, p.d, tid);
+    copy(0);  // with Q
+    copy(1);
+    for (int t = 0; t < tiles; ++t) {
+        const int s = t & 1;
+        cp_async_wait<1>();  // this thread's copies of tile t (and Q) have landed; each thread splits its own
+        if (t == 0) Smem::QSplit::split(sm.qh, sm.ql, tid);
+        Smem::KSplit::split(sm.kh + s * Smem::K_ELEMS, sm.kl + s * Smem::K_ELEMS, tid);
+        fence_proxy_async();
+        named_barrier_arrive(kFullK + s, 2 * THREADS);
+        if (t >= 2) named_barrier_sync(kEmptyV + s, 2 * THREADS);  // P_{t-2} V_{t-2} has landed
+        Smem::VSplit::transpose(sm.vraw + s * Smem::VSplit::RAW_ELEMS, sm.vh + s * Smem::V_ELEMS,
+                                sm.vl + s * Smem::V_ELEMS, tid);
+        fence_proxy_async();
+        named_barrier_arrive(kFullV + s, 2 * THREADS);
+        // The staging tile is this thread's to refill (its reads above have returned); K_t's
+        // stage once S_t has landed.
+        if (t + 2 < tiles) named_barrier_sync(kEmptyK + s, 2 * THREADS);
+        copy(t + 2);
+    }
+}
+
+// The consumer warpgroup (threads 0 .. THREADS - 1). Iteration t issues S_{t+1} = Q K_{t+1}^T
+// and D = P_t V_t; the tensor cores run them in that order while the warps wait for S_{t+1},
+// then take its softmax during P_t V_t. O = (O + D) alpha_{t+1} follows once D has landed.
+// P_t V_t goes into D, not O: the tensor cores' accumulation truncates rather than rounds,
+// and over thousands of keys that error grew past float32's tolerance in O (MmaTf32::pv); a
+// sum per key tile added into O rounds to nearest.
+template <typename Policy, int HD, int DV, int BLOCK_N, int THREADS, typename Softmax>
+__device__ __forceinline__ void forward_wgmma_tf32x3(float* smem, Softmax& softmax, int j0, int hi,
+                                                     float (&o)[1][DV / 8][4]) {
+    static_assert(THREADS == 128, "one consumer warpgroup");
+    using Smem = Tf32x3Smem<Policy, HD, DV, BLOCK_N, THREADS>;
+    const Smem sm(smem);
+    const int tiles = tf32x3_tiles(j0, hi, BLOCK_N);
+    if (tiles == 0) return;
+    auto key0 = [&](int t) { return j0 + t * BLOCK_N; };
     auto issue_s = [&](int t, float (&s)[1][BLOCK_N / 8][4]) {  // S_t = Q K_t^T
-        Policy::template qk_issue<HD, BLOCK_N>(sQ, sQl, sKh + (t & 1) * KTile::ELEMS, sKl + (t & 1) * KTile::ELEMS, s);
+        named_barrier_sync(kFullK + (t & 1), 2 * THREADS);
+        Policy::template qk_issue<HD, BLOCK_N>(sm.qh, sm.ql, sm.kh + (t & 1) * Smem::K_ELEMS, sm.kl + (t & 1) * Smem::K_ELEMS, s);
     };
     typename Policy::template PSplit<BLOCK_N> ph, pl;  // P_t as hi and lo A fragments
     float s[1][BLOCK_N / 8][4], d[1][DV / 8][4], alpha[2];
-
-    // Prologue: Q and tile 0 split, tile 1's copies in flight; S_0 and P_0; K_1 split, the
-    // copies of tile 2 in flight (into stage 0, free once S_0 has landed and V_0 is split).
-    load(0);  // with flash_fwd's copy of Q
-    load(1);
-    wait_tiles<1, false>();
-    Policy::template split_tile<QTile::ELEMS, THREADS>(sQ, sQl);
-    split_k(0);
-    split_v(0);
-    fence_proxy_async();
-    __syncthreads();
-    issue_s(0, s);
-    wgmma_wait<0>();
-    fence_regs(s[0]);
-    softmax.exponentiate(s, key0(0), min(key0(0) + BLOCK_N, hi), alpha);  // O is still 0: no rescale
-    Policy::template split_p<BLOCK_N>(s, ph, pl);
-    wait_tiles<0, false>();
-    split_k(1);
-    fence_proxy_async();
-    __syncthreads();
-    load(2);
-
-    // Iteration t: P_t in registers, K_{t+1} and V_t split, V_{t+1} copied, the copies of
-    // tile t + 2 in flight (the newest cp.async group).
     auto issue_pv = [&](int t) {  // D = P_t V_t
-        Policy::template pv_issue<BLOCK_N, DV>(ph, pl, sVh + (t & 1) * VtTile::ELEMS, sVl + (t & 1) * VtTile::ELEMS, d);
+        named_barrier_sync(kFullV + (t & 1), 2 * THREADS);
+        Policy::template pv_issue<BLOCK_N, DV>(ph, pl, sm.vh + (t & 1) * Smem::V_ELEMS, sm.vl + (t & 1) * Smem::V_ELEMS, d);
     };
-    // O = (O + D) alpha once D = P_t V_t has landed (its P fragments are free again then).
-    auto land_d = [&](const float (&scale)[2]) {
+    // Tile t's stage of K or V is free: the producer waits for it unless no tile is left to
+    // refill it with (a barrier arrived at is always waited for).
+    auto release = [&](int barrier, int t) {
+        if (t + 2 < tiles) named_barrier_arrive(barrier + (t & 1), 2 * THREADS);
+    };
+    // O = (O + D) alpha once D = P_t V_t has landed (its P fragments and V_t's stage are free
+    // again then).
+    auto land_d = [&](int t, const float (&scale)[2]) {
         wgmma_wait<0>();
         fence_regs(d[0]);
         fence_regs(ph);
         fence_regs(pl);
+        release(kEmptyV, t);
 #pragma unroll
         for (int n = 0; n < DV / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[0][n][e] = (o[0][n][e] + d[0][n][e]) * scale[e >> 1];
     };
+
+    issue_s(0, s);
+    wgmma_wait<0>();
+    fence_regs(s[0]);
+    release(kEmptyK, 0);
+    softmax.exponentiate(s, key0(0), min(key0(0) + BLOCK_N, hi), alpha);  // O is still 0: no rescale
+    Policy::template split_p<BLOCK_N>(s, ph, pl);
     for (int t = 0; t + 1 < tiles; ++t) {
         issue_s(t + 1, s);
         issue_pv(t);
-        // While S_{t+1} runs: V_{t+1} (copied an iteration ago) into the stage P_{t-1} V_{t-1}
-        // read, then, once its copy has landed, K_{t+2} into the stage S_t read (both products
-        // waited for by every thread before the last barrier); while P_t V_t runs, the
-        // softmax of S_{t+1}.
-        split_v(t + 1);
-        wait_tiles<0, false>();
-        split_k(t + 2);
-        fence_proxy_async();
-        wgmma_wait<1>();  // S_{t+1} has landed; P_t V_t may still run
+        wgmma_wait<1>();  // S_{t+1} has landed (K_{t+1}'s stage is free); P_t V_t may still run
         fence_regs(s[0]);
+        release(kEmptyK, t + 1);
         const int j = key0(t + 1);
         softmax.exponentiate(s, j, min(j + BLOCK_N, hi), alpha);
-        land_d(alpha);
+        land_d(t, alpha);
         Policy::template split_p<BLOCK_N>(s, ph, pl);
-        __syncthreads();  // the splits are visible; every thread is done with K_{t+1} and V_{t+1}'s copy
-        load(t + 3);
     }
     issue_pv(tiles - 1);
     const float one[2] = {1.0f, 1.0f};
-    land_d(one);
+    land_d(tiles - 1, one);
 }
 
 template <typename T, typename Policy, int HD, int DV, int BLOCK_N, int NUM_WARPS, bool FULL, int STAGES>
-__global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
+__global__ void __launch_bounds__((NUM_WARPS + kProducerWarps<Policy>) * 32, 1) flash_fwd(const Params p) {
     using Acc = typename Policy::Acc;
     constexpr int THREADS = NUM_WARPS * 32;
     constexpr int MI = Policy::MI;          // 16-row groups per warp
@@ -382,7 +410,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     // tile of compute; one cp.async group per tile (possibly empty).
     // STAGES = 1 (FA2's, for wide heads where a second stage costs occupancy): V_j streams
     // in while S_j = Q K_j^T and its softmax are computed, K_next while O += P_j V_j.
-    QTile::template load<THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, rows_valid, p.d);
+    if constexpr (!kWgmmaTf32x3<Policy>) QTile::template load<THREADS>(sQ, gQ + i0 * p.q_sr, p.q_sr, rows_valid, p.d);
     // Key tiles start at multiples of BLOCK_N (keys before lo are masked by the band test):
     // dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned.
     int j0 = next_live_tile<BLOCK_N, FULL>(p, hv, i0, i1, lo - lo % BLOCK_N, hi);
@@ -404,7 +432,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, 1) flash_fwd(const Params p) {
     constexpr bool OVERLAP = WG && !(FULL && HD > 128);
     if constexpr (kWgmmaTf32x3<Policy>) {
         static_assert(!FULL && MI == 1 && NUM_WARPS == 4, "plain kernels of one warpgroup");
-        forward_wgmma_tf32x3<Policy, HD, DV, BLOCK_N, THREADS>(sQ, softmax, p, gK, gV, dv_load, j0, hi, o);
+        if (warp >= NUM_WARPS) {  // the producer warpgroup
+            produce_tf32x3<Policy, HD, DV, BLOCK_N, THREADS>(sQ, p, gQ + i0 * p.q_sr, rows_valid, gK, gV, dv_load, j0, hi);
+            return;
+        }
+        forward_wgmma_tf32x3<Policy, HD, DV, BLOCK_N, THREADS>(sQ, softmax, j0, hi, o);
     } else if constexpr (OVERLAP) {
         // Tile i's K and V sit in stage i % 2, but K runs a tile ahead of V: iteration i
         // reads K_{i+1} and V_i, then refills their stages with K_{i+3} and V_{i+2}, so

@@ -143,8 +143,10 @@ __device__ __forceinline__ void wait_tiles() {
     __syncthreads();
 }
 
-// Whether a policy is MmaWgmmaTf32x3 (below), whose forward has its own main loop.
+// Whether a policy is MmaWgmmaTf32x3 (below), whose forward has its own main loop, fed by a
+// producer warpgroup of kProducerWarps warps beside the NUM_WARPS that compute.
 template <typename Policy> constexpr bool kWgmmaTf32x3 = false;
+template <typename Policy> constexpr int kProducerWarps = kWgmmaTf32x3<Policy> ? 4 : 0;
 
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -317,52 +319,113 @@ struct MmaWgmmaTf32x3 {
     static constexpr int MI = 1;
     template <int KEYS> using PSplit = u32[KEYS / 8][4];  // P's hi or lo A fragments, one per 8 keys
 
-    // Every element x of an N-element tile split into hi (in place) and lo (into sLo at the
-    // same offset). The split is per element, so the tiles' layout does not matter; a thread
-    // takes every THREADS-th 16-byte chunk. All THREADS threads call it.
-    template <int N, int THREADS>
-    static __device__ __forceinline__ void split_tile(float* sHi, float* sLo) {
-        static_assert(N % (4 * THREADS) == 0, "whole 16-byte chunks for every thread");
-#pragma unroll
-        for (int k = 0; k < N / (4 * THREADS); ++k) {
-            const int i = 4 * (threadIdx.x + k * THREADS);
-            const float4 x = *reinterpret_cast<const float4*>(sHi + i);
-            uint4 h, l;
-            tf32_split(x.x, h.x, l.x);
-            tf32_split(x.y, h.y, l.y);
-            tf32_split(x.z, h.z, l.z);
-            tf32_split(x.w, h.w, l.w);
-            *reinterpret_cast<uint4*>(sHi + i) = h;
-            *reinterpret_cast<uint4*>(sLo + i) = l;
-        }
-    }
+    // Rows [0, ROWS) of a (rows, cols) global float matrix (row stride `stride` elements),
+    // zero outside (valid_rows, valid_cols), split into hi and lo Sw128 tiles by the producer
+    // warpgroup's THREADS threads: `copy` lands the rows as they are in the hi tile (cp.async,
+    // one group per call site), `split` (once they have landed) rewrites them in place as hi
+    // and writes lo. Thread `tid` copies and splits the same chunks, tid % CHUNKS of every
+    // STEP-th row, so it waits for its own copies only; a warp covers whole 128-byte row
+    // segments, and the 8 chunks of a quarter warp hit distinct banks.
+    template <int ROWS, int COLS, int THREADS>
+    struct RowSplit {
+        static constexpr int CHUNKS = COLS / 4, STEP = THREADS / CHUNKS, N = ROWS / STEP;
+        static_assert(THREADS % CHUNKS == 0 && ROWS % STEP == 0, "whole chunks of whole rows for every thread");
 
-    // V (KEYS, DV), an Sw128 tile as copied, to V^T (DV, KEYS) split into hi and lo Sw128
-    // tiles, each 8-key step in P's column order: 16-byte chunk q of row d holds keys
-    // 8 (q / 2) + q % 2 + 2 m, m = 0..3. A thread per row d: a warp's scalar reads cover 32
-    // consecutive columns of one key row and its chunk writes 8 consecutive rows per quarter
-    // warp, whose swizzled chunks differ, so neither has bank conflicts.
-    template <int KEYS, int DV, int THREADS>
-    static __device__ __forceinline__ void transpose_split(const float* sV, float* sHi, float* sLo) {
-        const unsigned char* src = reinterpret_cast<const unsigned char*>(sV);
-        unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
-        unsigned char* lo = reinterpret_cast<unsigned char*>(sLo);
-        for (int d = threadIdx.x; d < DV; d += THREADS) {
+        static __device__ __forceinline__ void copy(float* sHi, const float* g, i64 stride, int valid_rows,
+                                                    int valid_cols, int tid) {
+            unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
+            const int c = tid % CHUNKS, r0 = tid / CHUNKS;
+            const bool col_valid = 4 * c < valid_cols;  // a chunk is all valid or all padding (flash_copy.cuh)
+            const float* src = g + r0 * stride + 4 * c;
 #pragma unroll
-            for (int q = 0; q < KEYS / 4; ++q) {
-                u32 h[4], l[4];
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    const int key = 8 * (q >> 1) + (q & 1) + 2 * m;
-                    tf32_split(*reinterpret_cast<const float*>(src + Sw128Tile<float, KEYS, DV>::chunk_offset(key, d >> 2)
-                                                               + 4 * (d & 3)), h[m], l[m]);
-                }
-                const int at = Sw128Tile<float, DV, KEYS>::chunk_offset(d, q);
-                *reinterpret_cast<uint4*>(hi + at) = make_uint4(h[0], h[1], h[2], h[3]);
-                *reinterpret_cast<uint4*>(lo + at) = make_uint4(l[0], l[1], l[2], l[3]);
+            for (int k = 0; k < N; ++k) {
+                const bool valid = col_valid && r0 + k * STEP < valid_rows;
+                cp_async_16(hi + Sw128Tile<float, ROWS, COLS>::chunk_offset(r0 + k * STEP, c), valid ? src : g, valid);
+                src += STEP * stride;
             }
         }
-    }
+        static __device__ __forceinline__ void split(float* sHi, float* sLo, int tid) {
+            unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
+            unsigned char* lo = reinterpret_cast<unsigned char*>(sLo);
+            const int c = tid % CHUNKS, r0 = tid / CHUNKS;
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                const int at = Sw128Tile<float, ROWS, COLS>::chunk_offset(r0 + k * STEP, c);
+                const float4 x = *reinterpret_cast<const float4*>(hi + at);
+                uint4 h, l;
+                tf32_split(x.x, h.x, l.x);
+                tf32_split(x.y, h.y, l.y);
+                tf32_split(x.z, h.z, l.z);
+                tf32_split(x.w, h.w, l.w);
+                *reinterpret_cast<uint4*>(hi + at) = h;
+                *reinterpret_cast<uint4*>(lo + at) = l;
+            }
+        }
+    };
+
+    // V (KEYS, DV) of a global float matrix (row stride `stride`), zero outside (valid_rows,
+    // valid_cols), as V^T (DV, KEYS) split into hi and lo Sw128 tiles, each 8-key step in P's
+    // column order: 16-byte chunk q of row d holds keys key(q, m) = 8 (q / 2) + q % 2 + 2 m,
+    // m = 0..3. `copy` lands V as it is in a staging tile (RAW_ELEMS, cp.async), `transpose`
+    // (once it has landed) writes V^T. Thread `tid` owns chunk q = tid % QC of the rows d
+    // in 4-column blocks b = tid / QC + BLOCKS u: it copies the 16-byte chunks b of its 4 keys,
+    // and writes the 4 transposed chunks. A warp's copies read 64 contiguous bytes of 8 key
+    // rows; the staging tile stores chunk c of key row j at chunk c ^ f(j), with f(j) =
+    // (j / 8) % 4 + 4 (j % 2), distinct for the 8 keys key(0..7, m), so that a quarter warp's
+    // copies and reads hit distinct banks, as do its V^T stores (8 chunks of one row d).
+    template <int KEYS, int DV, int THREADS>
+    struct ColSplit {
+        static constexpr int QC = KEYS / 4, BLOCKS = THREADS / QC, UNITS = DV / 4 / BLOCKS;
+        static constexpr int RAW_ELEMS = KEYS * DV;
+        static_assert(THREADS % QC == 0 && (DV / 4) % BLOCKS == 0 && KEYS <= 32, "whole column blocks for every thread");
+
+        static __device__ __forceinline__ int key(int q, int m) { return 8 * (q >> 1) + (q & 1) + 2 * m; }
+        static __device__ __forceinline__ int raw_offset(int j, int c) {  // bytes
+            return j * (DV * 4) + ((c ^ (((j >> 3) & 3) | (j & 1) << 2)) << 4);
+        }
+
+        static __device__ __forceinline__ void copy(float* sRaw, const float* g, i64 stride, int valid_rows,
+                                                    int valid_cols, int tid) {
+            unsigned char* raw = reinterpret_cast<unsigned char*>(sRaw);
+            const int q = tid % QC, b = tid / QC;
+            const float* src = g + key(q, 0) * stride + 4 * b;
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const bool row_valid = key(q, m) < valid_rows;
+#pragma unroll
+                for (int u = 0; u < UNITS; ++u) {
+                    const int c = b + BLOCKS * u;
+                    const bool valid = row_valid && 4 * c < valid_cols;
+                    cp_async_16(raw + raw_offset(key(q, m), c), valid ? src + 4 * BLOCKS * u : g, valid);
+                }
+                src += 2 * stride;
+            }
+        }
+        static __device__ __forceinline__ void transpose(const float* sRaw, float* sHi, float* sLo, int tid) {
+            const unsigned char* raw = reinterpret_cast<const unsigned char*>(sRaw);
+            unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
+            unsigned char* lo = reinterpret_cast<unsigned char*>(sLo);
+            const int q = tid % QC, b = tid / QC;
+#pragma unroll
+            for (int u = 0; u < UNITS; ++u) {
+                const int c = b + BLOCKS * u;
+                float4 x[4];  // columns 4 c .. 4 c + 3 of key(q, m)
+#pragma unroll
+                for (int m = 0; m < 4; ++m) x[m] = *reinterpret_cast<const float4*>(raw + raw_offset(key(q, m), c));
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // row d = 4 c + i of V^T
+                    uint4 h, l;
+                    tf32_split(reinterpret_cast<const float*>(&x[0])[i], h.x, l.x);
+                    tf32_split(reinterpret_cast<const float*>(&x[1])[i], h.y, l.y);
+                    tf32_split(reinterpret_cast<const float*>(&x[2])[i], h.z, l.z);
+                    tf32_split(reinterpret_cast<const float*>(&x[3])[i], h.w, l.w);
+                    const int at = Sw128Tile<float, DV, KEYS>::chunk_offset(4 * c + i, q);
+                    *reinterpret_cast<uint4*>(hi + at) = h;
+                    *reinterpret_cast<uint4*>(lo + at) = l;
+                }
+            }
+        }
+    };
 
     // S (16 per warp, N) = Q K^T for the block's one warpgroup: Q (64, HD) and K (N, HD) as
     // hi and lo Sw128 tiles. Per 8-wide k-step the small cross terms first, as MmaTf32; the

@@ -345,14 +345,15 @@ def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype)
 
 def test_tf32x3_wgmma_forward_only_for_plain_float32_at_128_on_sm90() -> None:
     """The 3xTF32 warpgroup forward where measured: float32 at float32 accuracy, no score
-    option, padded head dim 128, sm_90; one warpgroup of 64 rows, 32-key tiles, and its hi and
-    lo tiles (Q, K, V^T) beside the copied V in shared memory, which take one block an SM."""
+    option, padded head dim 128, sm_90; one warpgroup of 64 rows and a producer warpgroup,
+    32-key tiles, and its hi and lo tiles (Q, K, V^T) beside the copied V in shared memory,
+    which take one block an SM."""
     smem = S.ARCH_SMEM[90]
     for d, dv in ((97, 97), (128, 128), (64, 128), (128, 1)):
         spec = S.select_forward("float32", d, dv, 90, smem, full=False)
         assert spec.policy == "wgmma_tf32x3" and spec.name_expression == (
             "flash::flash_fwd<float, flash::MmaWgmmaTf32x3, 128, 128, 32, 4, false, 2>")
-        assert (spec.block_m, spec.threads) == (64, 128)
+        assert (spec.block_m, spec.threads) == (64, 256)
         # Q hi and lo (64, 128); per stage K hi and lo (32, 128), V^T hi and lo (128, 32), V (32, 128)
         assert spec.smem_bytes == 4 * (2 * 64 * 128 + 2 * (2 * 32 * 128 + 3 * 32 * 128)) + 1024 <= smem
         assert 2 * spec.smem_bytes > smem

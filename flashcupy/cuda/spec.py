@@ -68,6 +68,10 @@ POLICIES = {
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
 }
 
+#: Warps per block beside the computing ones: wgmma_tf32x3's producer warpgroup loads and
+#: splits the operands (flash_fwd.cu's produce_tf32x3).
+PRODUCER_WARPS = {"wgmma_tf32x3": 4}
+
 #: Environment variable forcing the portable (SIMT) kernels, as on GPUs before sm_80.
 FORCE_PORTABLE_ENV = "FLASHCUPY_FORCE_PORTABLE"
 
@@ -100,7 +104,8 @@ class KernelSpec:
 
     @property
     def threads(self) -> int:
-        return 32 * self.num_warps
+        """Threads per block: num_warps compute, plus the policy's producer warps."""
+        return 32 * (self.num_warps + PRODUCER_WARPS.get(self.policy, 0))
 
     @property
     def itemsize(self) -> int:
@@ -118,9 +123,8 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: Q (BLOCK_M, HD) and ``stages`` of K (BLOCK_N, HD) and V
         (BLOCK_N, DV); rows padded by 16 bytes, or (wgmma) swizzled without padding and
-        1024 bytes of slack to align the tiles. wgmma_tf32x3 (flash_fwd.cu's
-        forward_wgmma_tf32x3): Q and per stage K as hi and lo tiles, per stage V^T as hi and
-        lo tiles and V as copied."""
+        1024 bytes of slack to align the tiles. wgmma_tf32x3 (flash_fwd.cu's Tf32x3Smem): Q,
+        and per stage K and V^T, as hi and lo tiles, and per stage V as copied."""
         if self.policy == "wgmma_tf32x3":
             kv = self.stages * self.block_n * (2 * self.head_dim + 3 * self.dv_tile)
             return (2 * self.block_m * self.head_dim + kv) * self.itemsize + 1024
