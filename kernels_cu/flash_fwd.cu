@@ -219,9 +219,10 @@ __device__ __forceinline__ int tf32x3_tiles(int j0, int hi, int block_n) {
 }
 
 // The producer warpgroup (threads THREADS .. 2 THREADS - 1): Q (q_rows valid rows of gQ),
-// then for every key tile t from j0 (keys past hi zero-filled) K_t and V_t into stage t % 2.
-// Tile t + 2's copies start as soon as the consumer is done with K_t (one cp.async group per
-// tile), so each has about an iteration of the consumer to land.
+// then for every key tile t from j0 (keys past hi zero-filled) K_t and V_t into stage t % 2,
+// one cp.async group per tile. Iteration t splits K_{t+1}, which the consumer needs first,
+// then transposes V_t, then refills K_t's stage (and V_t's staging tile) with tile t + 2 once
+// S_t has landed: each copy has over an iteration of the consumer to land.
 template <typename Policy, int HD, int DV, int BLOCK_N, int THREADS>
 __device__ __forceinline__ void produce_tf32x3(float* smem, const Params& p, const float* gQ, int q_rows,
                                                const float* gK, const float* gV, int dv_load, int j0, int hi) {
@@ -238,16 +239,24 @@ __device__ __forceinline__ void produce_tf32x3(float* smem, const Params& p, con
         }
         cp_async_commit();
     };
-    Smem::QSplit::copy(sm.qh, gQ, p.q_sr, q_rows, p.d, tid);
-    copy(0);  // with Q
-    copy(1);
-    for (int t = 0; t < tiles; ++t) {
+    // K_t split in its stage (each thread splits the chunks it copied, so it waits for its
+    // own copies only) and handed over.
+    auto split_k = [&](int t) {
         const int s = t & 1;
-        cp_async_wait<1>();  // this thread's copies of tile t (and Q) have landed; each thread splits its own
-        if (t == 0) Smem::QSplit::split(sm.qh, sm.ql, tid);
         Smem::KSplit::split(sm.kh + s * Smem::K_ELEMS, sm.kl + s * Smem::K_ELEMS, tid);
         fence_proxy_async();
         named_barrier_arrive(kFullK + s, 2 * THREADS);
+    };
+    Smem::QSplit::copy(sm.qh, gQ, p.q_sr, q_rows, p.d, tid);
+    copy(0);  // with Q
+    copy(1);
+    cp_async_wait<1>();  // Q and tile 0
+    Smem::QSplit::split(sm.qh, sm.ql, tid);
+    split_k(0);
+    for (int t = 0; t < tiles; ++t) {
+        const int s = t & 1;
+        cp_async_wait<0>();  // tile t + 1, the newest copy
+        if (t + 1 < tiles) split_k(t + 1);
         if (t >= 2) named_barrier_sync(kEmptyV + s, 2 * THREADS);  // P_{t-2} V_{t-2} has landed
         Smem::VSplit::transpose(sm.vraw + s * Smem::VSplit::RAW_ELEMS, sm.vh + s * Smem::V_ELEMS,
                                 sm.vl + s * Smem::V_ELEMS, tid);
@@ -255,8 +264,10 @@ __device__ __forceinline__ void produce_tf32x3(float* smem, const Params& p, con
         named_barrier_arrive(kFullV + s, 2 * THREADS);
         // The staging tile is this thread's to refill (its reads above have returned); K_t's
         // stage once S_t has landed.
-        if (t + 2 < tiles) named_barrier_sync(kEmptyK + s, 2 * THREADS);
-        copy(t + 2);
+        if (t + 2 < tiles) {
+            named_barrier_sync(kEmptyK + s, 2 * THREADS);
+            copy(t + 2);
+        }
     }
 }
 

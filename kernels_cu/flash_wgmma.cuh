@@ -348,15 +348,18 @@ struct MmaWgmmaTf32x3 {
             unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
             unsigned char* lo = reinterpret_cast<unsigned char*>(sLo);
             const int c = tid % CHUNKS, r0 = tid / CHUNKS;
+            float4 x[N];  // every read first: the compiler cannot move them above the stores
+#pragma unroll
+            for (int k = 0; k < N; ++k)
+                x[k] = *reinterpret_cast<const float4*>(hi + Sw128Tile<float, ROWS, COLS>::chunk_offset(r0 + k * STEP, c));
 #pragma unroll
             for (int k = 0; k < N; ++k) {
                 const int at = Sw128Tile<float, ROWS, COLS>::chunk_offset(r0 + k * STEP, c);
-                const float4 x = *reinterpret_cast<const float4*>(hi + at);
                 uint4 h, l;
-                tf32_split(x.x, h.x, l.x);
-                tf32_split(x.y, h.y, l.y);
-                tf32_split(x.z, h.z, l.z);
-                tf32_split(x.w, h.w, l.w);
+                tf32_split(x[k].x, h.x, l.x);
+                tf32_split(x[k].y, h.y, l.y);
+                tf32_split(x[k].z, h.z, l.z);
+                tf32_split(x[k].w, h.w, l.w);
                 *reinterpret_cast<uint4*>(hi + at) = h;
                 *reinterpret_cast<uint4*>(lo + at) = l;
             }
@@ -406,19 +409,22 @@ struct MmaWgmmaTf32x3 {
             unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
             unsigned char* lo = reinterpret_cast<unsigned char*>(sLo);
             const int q = tid % QC, b = tid / QC;
+            float4 x[UNITS][4];  // columns 4 c .. 4 c + 3 of key(q, m); every read before the stores
+#pragma unroll
+            for (int u = 0; u < UNITS; ++u)
+#pragma unroll
+                for (int m = 0; m < 4; ++m)
+                    x[u][m] = *reinterpret_cast<const float4*>(raw + raw_offset(key(q, m), b + BLOCKS * u));
 #pragma unroll
             for (int u = 0; u < UNITS; ++u) {
                 const int c = b + BLOCKS * u;
-                float4 x[4];  // columns 4 c .. 4 c + 3 of key(q, m)
-#pragma unroll
-                for (int m = 0; m < 4; ++m) x[m] = *reinterpret_cast<const float4*>(raw + raw_offset(key(q, m), c));
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {  // row d = 4 c + i of V^T
                     uint4 h, l;
-                    tf32_split(reinterpret_cast<const float*>(&x[0])[i], h.x, l.x);
-                    tf32_split(reinterpret_cast<const float*>(&x[1])[i], h.y, l.y);
-                    tf32_split(reinterpret_cast<const float*>(&x[2])[i], h.z, l.z);
-                    tf32_split(reinterpret_cast<const float*>(&x[3])[i], h.w, l.w);
+                    tf32_split(reinterpret_cast<const float*>(&x[u][0])[i], h.x, l.x);
+                    tf32_split(reinterpret_cast<const float*>(&x[u][1])[i], h.y, l.y);
+                    tf32_split(reinterpret_cast<const float*>(&x[u][2])[i], h.z, l.z);
+                    tf32_split(reinterpret_cast<const float*>(&x[u][3])[i], h.w, l.w);
                     const int at = Sw128Tile<float, DV, KEYS>::chunk_offset(4 * c + i, q);
                     *reinterpret_cast<uint4*>(hi + at) = h;
                     *reinterpret_cast<uint4*>(lo + at) = l;
