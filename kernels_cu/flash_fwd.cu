@@ -220,9 +220,10 @@ __device__ __forceinline__ int tf32x3_tiles(int j0, int hi, int block_n) {
 
 // The producer warpgroup (threads THREADS .. 2 THREADS - 1): Q (q_rows valid rows of gQ),
 // then for every key tile t from j0 (keys past hi zero-filled) K_t and V_t into stage t % 2,
-// one cp.async group per tile. Iteration t splits K_{t+1}, which the consumer needs first,
-// then transposes V_t, then refills K_t's stage (and V_t's staging tile) with tile t + 2 once
-// S_t has landed: each copy has over an iteration of the consumer to land.
+// in cp.async groups of their own (K_t's stage is the consumer's until S_{t-2} has landed,
+// V_t's staging tile the producer's once it has transposed V_{t-2}). Iteration t transposes
+// V_t, copies V_{t+2}, splits K_{t+1} and copies K_{t+2} once S_t has landed: every copy has
+// an iteration of the consumer or more to land, and the consumer is the one that waits.
 template <typename Policy, int HD, int DV, int BLOCK_N, int THREADS>
 __device__ __forceinline__ void produce_tf32x3(float* smem, const Params& p, const float* gQ, int q_rows,
                                                const float* gK, const float* gV, int dv_load, int j0, int hi) {
@@ -231,43 +232,52 @@ __device__ __forceinline__ void produce_tf32x3(float* smem, const Params& p, con
     const int tid = threadIdx.x - THREADS;
     const int tiles = tf32x3_tiles(j0, hi, BLOCK_N);
     if (tiles == 0) return;
-    auto copy = [&](int t) {  // tile t into stage t % 2; an empty group past the last tile
+    // Copies of tile t into stage t % 2, one cp.async group each (empty past the last tile);
+    // each thread splits the chunks it copied, so it waits for its own copies only.
+    auto copy_k = [&](int t) {
         if (t < tiles) {
-            const int j = j0 + t * BLOCK_N, s = t & 1;
-            Smem::KSplit::copy(sm.kh + s * Smem::K_ELEMS, gK + j * p.k_sr, p.k_sr, hi - j, p.d, tid);
-            Smem::VSplit::copy(sm.vraw + s * Smem::VSplit::RAW_ELEMS, gV + j * p.v_sr, p.v_sr, hi - j, dv_load, tid);
+            const int j = j0 + t * BLOCK_N;
+            Smem::KSplit::copy(sm.kh + (t & 1) * Smem::K_ELEMS, gK + j * p.k_sr, p.k_sr, hi - j, p.d, tid);
         }
         cp_async_commit();
     };
-    // K_t split in its stage (each thread splits the chunks it copied, so it waits for its
-    // own copies only) and handed over.
-    auto split_k = [&](int t) {
+    auto copy_v = [&](int t) {
+        if (t < tiles) {
+            const int j = j0 + t * BLOCK_N;
+            Smem::VSplit::copy(sm.vraw + (t & 1) * Smem::VSplit::RAW_ELEMS, gV + j * p.v_sr, p.v_sr, hi - j, dv_load, tid);
+        }
+        cp_async_commit();
+    };
+    auto split_k = [&](int t) {  // K_t split in place and handed over
         const int s = t & 1;
         Smem::KSplit::split(sm.kh + s * Smem::K_ELEMS, sm.kl + s * Smem::K_ELEMS, tid);
         fence_proxy_async();
         named_barrier_arrive(kFullK + s, 2 * THREADS);
     };
+    // Groups, oldest first: Q and K_0, V_0, K_1, V_1; then per iteration t, V_{t+2} and K_{t+2}.
     Smem::QSplit::copy(sm.qh, gQ, p.q_sr, q_rows, p.d, tid);
-    copy(0);  // with Q
-    copy(1);
-    cp_async_wait<1>();  // Q and tile 0
+    copy_k(0);  // with Q
+    copy_v(0);
+    copy_k(1);
+    copy_v(1);
+    cp_async_wait<3>();  // Q and K_0
     Smem::QSplit::split(sm.qh, sm.ql, tid);
     split_k(0);
     for (int t = 0; t < tiles; ++t) {
         const int s = t & 1;
-        cp_async_wait<0>();  // tile t + 1, the newest copy
-        if (t + 1 < tiles) split_k(t + 1);
+        cp_async_wait<2>();  // V_t: only tile t + 1's two groups may be in flight
         if (t >= 2) named_barrier_sync(kEmptyV + s, 2 * THREADS);  // P_{t-2} V_{t-2} has landed
         Smem::VSplit::transpose(sm.vraw + s * Smem::VSplit::RAW_ELEMS, sm.vh + s * Smem::V_ELEMS,
                                 sm.vl + s * Smem::V_ELEMS, tid);
         fence_proxy_async();
         named_barrier_arrive(kFullV + s, 2 * THREADS);
-        // The staging tile is this thread's to refill (its reads above have returned); K_t's
-        // stage once S_t has landed.
-        if (t + 2 < tiles) {
-            named_barrier_sync(kEmptyK + s, 2 * THREADS);
-            copy(t + 2);
+        copy_v(t + 2);  // the staging tile is this thread's to refill: its reads above have returned
+        if (t + 1 < tiles) {
+            cp_async_wait<1>();  // K_{t+1}
+            split_k(t + 1);
         }
+        if (t + 2 < tiles) named_barrier_sync(kEmptyK + s, 2 * THREADS);  // S_t has landed
+        copy_k(t + 2);
     }
 }
 
