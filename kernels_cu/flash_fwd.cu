@@ -255,6 +255,8 @@ __device__ __forceinline__ void produce_tf32x3(float* smem, const Params& p, con
         named_barrier_arrive(kFullK + s, 2 * THREADS);
     };
     // Groups, oldest first: Q and K_0, V_0, K_1, V_1; then per iteration t, V_{t+2} and K_{t+2}.
+    // fence.proxy.async also waits for the thread's copies in flight, so each copy is issued
+    // after a fence where it can.
     Smem::QSplit::copy(sm.qh, gQ, p.q_sr, q_rows, p.d, tid);
     copy_k(0);  // with Q
     copy_v(0);
@@ -271,11 +273,13 @@ __device__ __forceinline__ void produce_tf32x3(float* smem, const Params& p, con
                                 sm.vl + s * Smem::V_ELEMS, tid);
         fence_proxy_async();
         named_barrier_arrive(kFullV + s, 2 * THREADS);
-        copy_v(t + 2);  // the staging tile is this thread's to refill: its reads above have returned
         if (t + 1 < tiles) {
-            cp_async_wait<1>();  // K_{t+1}
+            cp_async_wait<0>();  // K_{t+1}, the newest group
             split_k(t + 1);
         }
+        // After split_k's fence, which would wait for the copy too: V_t's staging tile is this
+        // thread's to refill (its reads above have returned).
+        copy_v(t + 2);
         if (t + 2 < tiles) named_barrier_sync(kEmptyK + s, 2 * THREADS);  // S_t has landed
         copy_k(t + 2);
     }
