@@ -143,7 +143,8 @@ POLICY_DESCRIPTIONS = {
     "wgmma": "Hopper warpgroup tensor cores (wgmma.mma_async)",
     "tf32": "TF32 tensor cores (allow_tf32: one TF32 product per product)",
     "tf32x3": "TF32 tensor cores, three products per product (3xTF32: float32 accuracy)",
-    "wgmma_tf32x3": "Hopper warpgroup TF32 tensor cores, three products per product (3xTF32)",
+    "wgmma_tf32x3": ("Hopper warpgroup TF32 tensor cores, three products per product (3xTF32), "
+                     "operands split by a producer warpgroup"),
     "dmma": "FP64 tensor cores (DMMA)",
     "simt": "SIMT (CUDA-core FMA)",
 }

@@ -1,4 +1,5 @@
-// Global -> shared tile copies for the attention kernels.
+// Global -> shared tile copies for the attention kernels, and the named barriers that hand
+// shared-memory tiles between warps.
 //
 // A tile is ROWS rows of COLS elements (COLS = the kernel's padded head dim) stored
 // with a row pitch of LD elements. Rows >= valid_rows and columns >= valid_cols are

@@ -306,10 +306,11 @@ struct MmaWgmma : MmaF16<T, 1> {
 
 // float32 on Hopper (sm_90a) as three TF32 warpgroup products per product (3xTF32 with
 // Tf32Frag's split, float32 accuracy), for the plain forward (flash_fwd.cu's
-// forward_wgmma_tf32x3; one warpgroup, 64 rows). TF32 operands in shared memory must be
-// K-major: Q and K are (the head dim contiguous), V is not, so each V tile is rewritten as
-// V^T (DV, keys). The block splits every shared-memory operand once per tile into hi and lo
-// tiles, instead of every warp per fragment as mma.sync's MmaTf32 does; P is split in
+// produce_tf32x3 and forward_wgmma_tf32x3; one consumer warpgroup, 64 rows). TF32 operands
+// in shared memory must be K-major: Q and K are (the head dim contiguous), V is not, so each
+// V tile is rewritten as V^T (DV, keys). A producer warpgroup splits every shared-memory
+// operand once per tile into hi and lo tiles (RowSplit, ColSplit), instead of every warp per
+// fragment as mma.sync's MmaTf32 does; P is split in
 // registers into m16n8k8 A fragments per warp, its keys permuted inside each 8-key step
 // (column t is key 2t, column t + 4 key 2t + 1: no shuffle), and V^T stores its keys in
 // that order.

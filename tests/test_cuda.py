@@ -122,10 +122,12 @@ def test_hopper_forward_matches_reference(dtype, shape, options) -> None:
     ((1, 2, 1, 150, 90, 120, 120), {"causal": True}),  # bottom-right, lq > lk: 60 rows without keys
     ((2, 2, 2, 111, 111, 104, 104), {"window": (9, 30), "kv_lengths": np.array([111, 50])}),
     ((1, 1, 1, 64, 8192, 128, 128), {}),  # 256 key tiles: O's per-tile sums keep float32 accuracy
+    ((1, 2, 2, 200, 70, 128, 128), {"causal": True}),  # two row blocks without a key tile: neither warpgroup waits
 ])
 def test_hopper_tf32x3_forward_matches_reference(shape, options) -> None:
     """The float32 forward on 3xTF32 warpgroup products (compute capability 9.0, head dims
-    97 to 128, no score option) on partial tiles and every band."""
+    97 to 128, no score option) on partial tiles and every band; 0 to 256 key tiles, so the
+    producer's and consumer's barriers meet at every pipeline depth."""
     arch, smem = _sm90_limits("3xTF32 wgmma kernels need")
     b, hq, hk, lq, lk, d, dv = shape
     assert select_forward("float32", d, dv, arch, smem, full=False).policy == "wgmma_tf32x3"

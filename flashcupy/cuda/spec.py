@@ -60,9 +60,11 @@ POLICIES = {
              lambda hd, full, arch: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64 and not full
              else ((16, 8),) * (hd <= 128) + ((16, 4), (16, 2), (16, 1), (8, 1))),
     # Hopper (sm_90a), float32 at float32 accuracy without score options: 3xTF32 on wgmma, one
-    # warpgroup of 64 rows and 32-key tiles (S, P's split fragments, O and a per-tile P V sum
-    # fill 241 registers at D = 128); its split hi and lo tiles fill shared memory, one block
-    # an SM. Tried before the plain tf32x3 kernel, at the padded head dims WGMMA_TF32_HEAD_DIMS.
+    # consumer warpgroup of 64 rows (S, P's split fragments, O and a per-tile P V sum: 217
+    # registers at D = 128) fed by a producer warpgroup (PRODUCER_WARPS) that copies and
+    # splits the operands, 32-key tiles; the split hi and lo tiles fill shared memory, one
+    # block an SM. Tried before the plain tf32x3 kernel, at the padded head dims
+    # WGMMA_TF32_HEAD_DIMS.
     "wgmma_tf32x3": (lambda t, mi: "flash::MmaWgmmaTf32x3", 1, lambda full: 128, lambda hd, full, arch: ((32, 4),)),
     "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, lambda full: 64,
              lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
@@ -158,9 +160,10 @@ def policy_for(dtype: str, arch: int, allow_tf32: bool, portable: bool) -> str:
 WGMMA_HEAD_DIMS = (64, 128, 256)
 
 
-#: Padded head dims the 3xTF32 wgmma forward takes (plain kernels on sm_90): at 96 the
-#: mma.sync kernel was faster than its first version (H100, L = 1024 / 4096: 1.24-1.31x
-#: SDPA-efficient against 1.14-1.19x; bench/NOTES.md).
+#: Padded head dims the 3xTF32 wgmma forward takes (plain kernels on sm_90; H100: 1.82-1.91x
+#: SDPA-efficient at 128, against 1.26-1.30x before its producer warpgroup; bench/NOTES.md).
+#: 96 keeps mma.sync: the producer's thread layout needs 128 threads to divide the copied
+#: rows' chunks.
 WGMMA_TF32_HEAD_DIMS = (128,)
 
 
