@@ -563,7 +563,9 @@ __global__ void __launch_bounds__((NUM_WARPS + kProducerWarps<Policy>) * 32, 1) 
             stage ^= 1;
         }
     }
-    cp_async_wait<0>();  // a block that attended no tile still waits for its Q copy
+    // A block that attended no tile still waits for its Q copy (the TF32 wgmma consumer has
+    // none: its producer copies Q).
+    cp_async_wait<0>();
 
     // Epilogue: O / l (times 1 / (1 - dropout_p)); rows with l = 0 saw no key: 0 and lse -inf.
 #pragma unroll
