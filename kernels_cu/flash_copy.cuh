@@ -64,17 +64,23 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 
 // Copies the 16-byte chunks [0, CHUNKS) of rows [0, ROWS) of a global matrix (row stride
 // `stride` elements) to shared memory, chunk c of row r at dst(r, c), zero-filling outside
-// (valid_rows, valid_cols). All THREADS threads call it. Where THREADS is a multiple of
-// CHUNKS, a thread copies the same chunk of every STEP-th row, STEP = THREADS / CHUNKS, in a
-// fully unrolled loop: no division, and addresses a fixed stride apart (per tile, these
-// copies are otherwise a large share of a Hopper kernel's instructions). float64 keeps the
-// rolled loop: its kernels are at the register limit, and the unrolled one spills there.
+// (valid_rows, valid_cols). All THREADS threads call it, thread `tid` in [0, THREADS)
+// (threadIdx.x unless the block has other warps). Where THREADS is a multiple of CHUNKS
+// (kStridedChunks), thread tid copies chunk tid % CHUNKS of the rows tid / CHUNKS + STEP k,
+// STEP = THREADS / CHUNKS, in a fully unrolled loop: no division, and addresses a fixed
+// stride apart (per tile, these copies are otherwise a large share of a Hopper kernel's
+// instructions). float64 keeps the rolled loop: its kernels are at the register limit, and
+// the unrolled one spills there.
+template <typename T, int ROWS, int CHUNKS, int THREADS>
+constexpr bool kStridedChunks = sizeof(T) < 8 && THREADS % CHUNKS == 0 && ROWS % (THREADS / CHUNKS) == 0;
+
 template <typename T, int ROWS, int CHUNKS, int THREADS, typename Dst>
-__device__ __forceinline__ void copy_chunks(const T* gmem, i64 stride, int valid_rows, int valid_cols, Dst dst) {
+__device__ __forceinline__ void copy_chunks(const T* gmem, i64 stride, int valid_rows, int valid_cols, Dst dst,
+                                            u32 tid = threadIdx.x) {
     constexpr int VEC = 16 / sizeof(T);
-    if constexpr (sizeof(T) < 8 && THREADS % CHUNKS == 0 && ROWS % (THREADS / CHUNKS) == 0) {
+    if constexpr (kStridedChunks<T, ROWS, CHUNKS, THREADS>) {
         constexpr int STEP = THREADS / CHUNKS;
-        const int c = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
+        const int c = tid % CHUNKS, r0 = tid / CHUNKS;
         const bool col_valid = c * VEC < valid_cols;
         const T* src = gmem + r0 * stride + c * VEC;
 #pragma unroll
@@ -84,7 +90,7 @@ __device__ __forceinline__ void copy_chunks(const T* gmem, i64 stride, int valid
         }
     } else {
 #pragma unroll 4
-        for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+        for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
             const int r = i / CHUNKS, c = i % CHUNKS;
             const bool valid = r < valid_rows && c * VEC < valid_cols;
             cp_async_16(dst(r, c), valid ? gmem + r * stride + c * VEC : gmem, valid);

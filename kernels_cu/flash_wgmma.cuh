@@ -51,12 +51,14 @@ struct Sw128Tile {
     }
 
     // Rows [0, ROWS) of a (rows, cols) global matrix (row stride `stride` elements), zero
-    // outside (valid_rows, valid_cols), as cp.async 16-byte chunks. All threads call it.
+    // outside (valid_rows, valid_cols), as cp.async 16-byte chunks by THREADS threads, thread
+    // `tid` (threadIdx.x unless the block has other warps): copy_chunks.
     template <int THREADS>
-    static __device__ __forceinline__ void load(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols) {
+    static __device__ __forceinline__ void load(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols,
+                                                u32 tid = threadIdx.x) {
         unsigned char* base = reinterpret_cast<unsigned char*>(smem);
         copy_chunks<T, ROWS, COLS / VEC, THREADS>(gmem, stride, valid_rows, valid_cols,
-                                                  [base](int r, int c) { return base + chunk_offset(r, c); });
+                                                  [base](int r, int c) { return base + chunk_offset(r, c); }, tid);
     }
 };
 
@@ -320,30 +322,34 @@ struct MmaWgmmaTf32x3 {
     static constexpr int MI = 1;
     template <int KEYS> using PSplit = u32[KEYS / 8][4];  // P's hi or lo A fragments, one per 8 keys
 
+    // Four elements split, hi to byte offset `at` of one tile and lo to the same offset of the
+    // other (16-byte stores).
+    static __device__ __forceinline__ void store_split(unsigned char* hi, unsigned char* lo, int at, float a, float b,
+                                                       float c, float d) {
+        uint4 h, l;
+        tf32_split(a, h.x, l.x);
+        tf32_split(b, h.y, l.y);
+        tf32_split(c, h.z, l.z);
+        tf32_split(d, h.w, l.w);
+        *reinterpret_cast<uint4*>(hi + at) = h;
+        *reinterpret_cast<uint4*>(lo + at) = l;
+    }
+
     // Rows [0, ROWS) of a (rows, cols) global float matrix (row stride `stride` elements),
     // zero outside (valid_rows, valid_cols), split into hi and lo Sw128 tiles by the producer
-    // warpgroup's THREADS threads: `copy` lands the rows as they are in the hi tile (cp.async,
-    // one group per call site), `split` (once they have landed) rewrites them in place as hi
-    // and writes lo. Thread `tid` copies and splits the same chunks, tid % CHUNKS of every
-    // STEP-th row, so it waits for its own copies only; a warp covers whole 128-byte row
-    // segments, and the 8 chunks of a quarter warp hit distinct banks.
+    // warpgroup's THREADS threads: `copy` lands the rows as they are in the hi tile
+    // (Sw128Tile::load's cp.async, one group per call site), `split` (once they have landed)
+    // rewrites them in place as hi and writes lo. Thread `tid` splits the chunks copy_chunks
+    // gave it, tid % CHUNKS of every STEP-th row, so it waits for its own copies only.
     template <int ROWS, int COLS, int THREADS>
     struct RowSplit {
+        using Tile = Sw128Tile<float, ROWS, COLS>;
         static constexpr int CHUNKS = COLS / 4, STEP = THREADS / CHUNKS, N = ROWS / STEP;
-        static_assert(THREADS % CHUNKS == 0 && ROWS % STEP == 0, "whole chunks of whole rows for every thread");
+        static_assert(kStridedChunks<float, ROWS, CHUNKS, THREADS>, "copy_chunks' thread-to-chunk map is split's");
 
         static __device__ __forceinline__ void copy(float* sHi, const float* g, i64 stride, int valid_rows,
                                                     int valid_cols, int tid) {
-            unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
-            const int c = tid % CHUNKS, r0 = tid / CHUNKS;
-            const bool col_valid = 4 * c < valid_cols;  // a chunk is all valid or all padding (flash_copy.cuh)
-            const float* src = g + r0 * stride + 4 * c;
-#pragma unroll
-            for (int k = 0; k < N; ++k) {
-                const bool valid = col_valid && r0 + k * STEP < valid_rows;
-                cp_async_16(hi + Sw128Tile<float, ROWS, COLS>::chunk_offset(r0 + k * STEP, c), valid ? src : g, valid);
-                src += STEP * stride;
-            }
+            Tile::template load<THREADS>(sHi, g, stride, valid_rows, valid_cols, tid);
         }
         static __device__ __forceinline__ void split(float* sHi, float* sLo, int tid) {
             unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
@@ -351,19 +357,10 @@ struct MmaWgmmaTf32x3 {
             const int c = tid % CHUNKS, r0 = tid / CHUNKS;
             float4 x[N];  // every read first: the compiler cannot move them above the stores
 #pragma unroll
-            for (int k = 0; k < N; ++k)
-                x[k] = *reinterpret_cast<const float4*>(hi + Sw128Tile<float, ROWS, COLS>::chunk_offset(r0 + k * STEP, c));
+            for (int k = 0; k < N; ++k) x[k] = *reinterpret_cast<const float4*>(hi + Tile::chunk_offset(r0 + k * STEP, c));
 #pragma unroll
-            for (int k = 0; k < N; ++k) {
-                const int at = Sw128Tile<float, ROWS, COLS>::chunk_offset(r0 + k * STEP, c);
-                uint4 h, l;
-                tf32_split(x[k].x, h.x, l.x);
-                tf32_split(x[k].y, h.y, l.y);
-                tf32_split(x[k].z, h.z, l.z);
-                tf32_split(x[k].w, h.w, l.w);
-                *reinterpret_cast<uint4*>(hi + at) = h;
-                *reinterpret_cast<uint4*>(lo + at) = l;
-            }
+            for (int k = 0; k < N; ++k)
+                store_split(hi, lo, Tile::chunk_offset(r0 + k * STEP, c), x[k].x, x[k].y, x[k].z, x[k].w);
         }
     };
 
@@ -421,14 +418,9 @@ struct MmaWgmmaTf32x3 {
                 const int c = b + BLOCKS * u;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {  // row d = 4 c + i of V^T
-                    uint4 h, l;
-                    tf32_split(reinterpret_cast<const float*>(&x[u][0])[i], h.x, l.x);
-                    tf32_split(reinterpret_cast<const float*>(&x[u][1])[i], h.y, l.y);
-                    tf32_split(reinterpret_cast<const float*>(&x[u][2])[i], h.z, l.z);
-                    tf32_split(reinterpret_cast<const float*>(&x[u][3])[i], h.w, l.w);
-                    const int at = Sw128Tile<float, DV, KEYS>::chunk_offset(4 * c + i, q);
-                    *reinterpret_cast<uint4*>(hi + at) = h;
-                    *reinterpret_cast<uint4*>(lo + at) = l;
+                    auto col = [&](int m) { return reinterpret_cast<const float*>(&x[u][m])[i]; };
+                    store_split(hi, lo, Sw128Tile<float, DV, KEYS>::chunk_offset(4 * c + i, q), col(0), col(1), col(2),
+                                col(3));
                 }
             }
         }
