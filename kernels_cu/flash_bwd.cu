@@ -366,6 +366,15 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
     using QTile = typename TileKind<WG>::template type<T, BLOCK_C, HD>;
     constexpr int LD = PaddedTile<T, 1, HD>::LD;  // rows padded as the forward's tiles
     constexpr int LDS = BLOCK_C + 16 / sizeof(PElem);  // dS^T row pitch: conflict-free ldmatrix rows
+    // 3xTF32 with split roles: K and V once per block, and each streamed Q and dO tile once,
+    // are split into TF32 hi halves (in place) and lo halves (a mirror of those tiles, LO
+    // elements further on), which the warps then read as they are. Split per fragment, each
+    // element of Q and dO was split by all 8 warps and each of K by 3: the splits took about
+    // a fifth of the kernel's time at D = 128 (H100: bench/NOTES.md). The lo tiles leave
+    // room for one stage; the next tile is copied during the dQ product instead.
+    constexpr bool PRESPLIT = ROLES == 2 && kSplitTf32<Policy>;
+    static_assert(!PRESPLIT || (STAGES == 1 && FUSED_DQ), "pre-split tiles: one stage, copied during the fused dQ");
+    constexpr int LO = PRESPLIT ? 2 * KTile::ELEMS + 2 * STAGES * QTile::ELEMS : 0;
     // dS^T (BLOCK_R, BLOCK_C) for the fused dQ: swizzled, or rows padded to LDS
     constexpr int DS_ELEMS = !FUSED_DQ ? 0 : WG ? BLOCK_R * BLOCK_C : BLOCK_R * LDS;
     constexpr int NT = BLOCK_C / 8, NC = CH / 8;
@@ -383,7 +392,8 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
     T* sV = sK + KTile::ELEMS;                           // (BLOCK_R, HD)
     T* sQ = sV + KTile::ELEMS;                           // STAGES x (BLOCK_C, HD) streamed queries
     T* sdO = sQ + STAGES * QTile::ELEMS;                 // STAGES x (BLOCK_C, HD)
-    PElem* sdS = reinterpret_cast<PElem*>(sdO + STAGES * QTile::ELEMS);  // (BLOCK_R, BLOCK_C): dS^T, FUSED_DQ
+    // PRESPLIT: the lo halves of the four tiles above, at the same offsets from sK + LO
+    PElem* sdS = reinterpret_cast<PElem*>(sdO + STAGES * QTile::ELEMS + LO);  // (BLOCK_R, BLOCK_C): dS^T, FUSED_DQ
     Acc* sLse = reinterpret_cast<Acc*>(sdS + DS_ELEMS);                  // STAGES x (BLOCK_C) lse2
     Acc* sDelta = sLse + STAGES * BLOCK_C;                               // STAGES x (BLOCK_C) D
     // ROLES = 2: P^T (BLOCK_R, BLOCK_C) handed to the partner warp, each thread's elements in
@@ -466,9 +476,19 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
     int hq = 0, i0 = i_first, st = 0;
     advance(hq, i0);
     if (hq < group) load_queries(hq, i0, 0);
+    if constexpr (PRESPLIT) {  // each thread splits the chunks it copied (before the loop's first barrier)
+        cp_async_wait<0>();
+        tf32_split_chunks<BLOCK_R, HD, LD, LO, THREADS>(sK);
+        tf32_split_chunks<BLOCK_R, HD, LD, LO, THREADS>(sV);
+    }
     while (hq < group) {
         int next_hq = hq, next_i0 = i0 + BLOCK_C;
         advance(next_hq, next_i0);
+        if constexpr (PRESPLIT) {  // as K and V; every warp is done with sdS (and, one stage, Q and dO)
+            cp_async_wait<0>();
+            tf32_split_chunks<BLOCK_C, HD, LD, LO, THREADS>(sQ);
+            tf32_split_chunks<BLOCK_C, HD, LD, LO, THREADS>(sdO);
+        }
         wait_tiles<0, WG>();  // tile (hq, i0) has landed; every warp is done with the other stage and sdS
         if (STAGES == 2 && next_hq < group) load_queries(next_hq, next_i0, st ^ 1);
 
@@ -490,7 +510,11 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
         } else if constexpr (ROLES == 2) {
             // Role 0: S^T = K Q^T; role 1: dP^T = V dO^T, both into s_t (one copy of the product)
-            Policy::template qk<HD, BLOCK_C, LD, LD>((role == 0 ? sK : sV) + 16 * MI * kw * LD, role == 0 ? sQt : sdOt, s_t);
+            const T* sA = (role == 0 ? sK : sV) + 16 * MI * kw * LD;
+            if constexpr (PRESPLIT)
+                Policy::template qk<HD, BLOCK_C, LD, LD, 0, LO>(sA, role == 0 ? sQt : sdOt, s_t);
+            else
+                Policy::template qk<HD, BLOCK_C, LD, LD>(sA, role == 0 ? sQt : sdOt, s_t);
         } else {
             // Two row groups keep dK and dV for 32 keys live: unroll two k-steps, not all.
             constexpr int K_UNROLL = MI == 2 ? 2 : 0;
@@ -648,7 +672,10 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
             Policy::template pack_p<BLOCK_C>(s_t, pf);
             if constexpr (ROLES == 2) {
                 // Role 0: dV += P^T dO; role 1: dK += dS^T Q (s_t holds P^T or dS^T)
-                Policy::template pv<BLOCK_C, CH, LD>(pf, (role == 0 ? sdOt : sQt) + c0, dkv[0]);
+                if constexpr (PRESPLIT)
+                    Policy::template pv<BLOCK_C, CH, LD, LO>(pf, (role == 0 ? sdOt : sQt) + c0, dkv[0]);
+                else
+                    Policy::template pv<BLOCK_C, CH, LD>(pf, (role == 0 ? sdOt : sQt) + c0, dkv[0]);
             } else {
                 Policy::template pv<BLOCK_C, CH, LD>(pf, sdOt + c0, dv);  // dV += P'^T dO
                 Policy::template pack_p<BLOCK_C>(dp_t, pf);
@@ -657,6 +684,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
             if constexpr (FUSED_DQ) {
                 if (role == ROLES - 1) Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * MI * kw * LDS);
                 __syncthreads();  // dS^T of every key of the block is in sdS
+                if (PRESPLIT && next_hq < group) load_queries(next_hq, next_i0, 0);  // copied during dQ
                 for (int task = warp; task < RG * WPR; task += WARPS) {
                     const int rg = task / WPR, n0 = (task - rg * WPR) * NQ;
                     Acc dq[1][NQ / 8][4];
@@ -667,14 +695,17 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
                     for (int k0 = 0; k0 < BLOCK_R; k0 += KC) {
                         typename One::template PFrag<KC> ds;
                         One::template load_pt<KC, LDS>(sdS + k0 * LDS + 16 * rg, ds);  // dS (16 queries, KC keys)
-                        One::template pv<KC, NQ, LD>(ds, sK + k0 * LD + c0 + n0, dq);
+                        if constexpr (PRESPLIT)
+                            One::template pv<KC, NQ, LD, LO>(ds, sK + k0 * LD + c0 + n0, dq);
+                        else
+                            One::template pv<KC, NQ, LD>(ds, sK + k0 * LD + c0 + n0, dq);
                     }
                     add_dq_tile<kDqAccumScaled<T, Acc, HD>>(gdQa, bp.dqa_sr, dq, i0 + 16 * rg, i1, c0 + n0, bp.d_true,
                                                         p.scale);
                 }
             }
         }
-        if (!WG && STAGES == 1 && next_hq < group) {
+        if (!WG && !PRESPLIT && STAGES == 1 && next_hq < group) {
             __syncthreads();  // every warp is done with the stage
             load_queries(next_hq, next_i0, 0);
         }

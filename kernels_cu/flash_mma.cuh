@@ -329,7 +329,53 @@ struct Tf32Frag {
             hi[i] = to_tf32(x);
         }
     }
+    // Element i of an operand split in shared memory beforehand (tf32_split_chunks): hi at
+    // `at`, lo LO elements further on; otherwise (LO = 0) split here.
+    template <int LO>
+    __device__ __forceinline__ void set_at(int i, const float* at) {
+        if constexpr (LO != 0) {
+            static_assert(SPLIT, "pre-split operands are 3xTF32's");
+            hi[i] = __float_as_uint(at[0]);
+            lo[i] = __float_as_uint(at[LO]);
+        } else {
+            set(i, *at);
+        }
+    }
 };
+
+// The 16-byte chunks copy_chunks<float, ROWS, COLS / 4, THREADS> copied for this thread
+// (tid = threadIdx.x) into a tile of row pitch LD, rewritten in place as their TF32 hi
+// halves, with the lo halves LO elements further on (3xTF32 operands split once per tile,
+// not by every warp that reads them). Both of copy_chunks' maps give thread tid the chunks
+// tid + THREADS k in row-major order, so this thread waits for its own copies only. The
+// reads all come before the stores: the compiler cannot move them above stores it cannot
+// tell apart from them.
+template <int ROWS, int COLS, int LD, int LO, int THREADS>
+__device__ __forceinline__ void tf32_split_chunks(float* tile) {
+    constexpr int CHUNKS = COLS / 4, N = (ROWS * CHUNKS + THREADS - 1) / THREADS;
+    static_assert(COLS % 4 == 0 && LO % 4 == 0, "whole 16-byte chunks");
+    float4 x[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int i = threadIdx.x + THREADS * k;
+        if (N * THREADS == ROWS * CHUNKS || i < ROWS * CHUNKS)
+            x[k] = *reinterpret_cast<const float4*>(tile + i / CHUNKS * LD + i % CHUNKS * 4);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int i = threadIdx.x + THREADS * k;
+        if (N * THREADS == ROWS * CHUNKS || i < ROWS * CHUNKS) {
+            float* at = tile + i / CHUNKS * LD + i % CHUNKS * 4;
+            uint4 h, l;
+            tf32_split(x[k].x, h.x, l.x);
+            tf32_split(x[k].y, h.y, l.y);
+            tf32_split(x[k].z, h.z, l.z);
+            tf32_split(x[k].w, h.w, l.w);
+            *reinterpret_cast<uint4*>(at) = h;
+            *reinterpret_cast<uint4*>(at + LO) = l;
+        }
+    }
+}
 
 // C (16, 8) += A (16, 8) B (8, 8), the small cross terms first.
 template <bool SPLIT>
@@ -358,9 +404,11 @@ struct MmaTf32 : PassP<float, MI_> {
     using One = MmaTf32<SPLIT, 1>;
     static constexpr int MI = MI_;
 
-    template <int HD, int BN, int LDQ, int LDK, int K_UNROLL = 0>
+    // LO (3xTF32): Q and K are split in shared memory (tf32_split_chunks), lo LO elements after hi.
+    template <int HD, int BN, int LDQ, int LDK, int K_UNROLL = 0, int LO = 0>
     static __device__ __forceinline__ void qk(const float* sQw, const float* sK, float (&s)[MI][BN / 8][4]) {
         static_assert(HD % 8 == 0 && BN % 8 == 0, "m16n8k8 tiles");
+        static_assert(LO == 0 || SPLIT, "pre-split operands are 3xTF32's");
         const int lane = threadIdx.x & 31;
         constexpr int UNROLL = K_UNROLL != 0 ? K_UNROLL : 2;
 #pragma unroll UNROLL
@@ -368,10 +416,16 @@ struct MmaTf32 : PassP<float, MI_> {
             Tf32Frag<SPLIT, 4> a[MI];  // Q (16, 8): matrices (rows 0-7, k 0-3), (8-15, 0-3), (0-7, 4-7), (8-15, 4-7)
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi) {
-                u32 r[4];
-                ldmatrix_x4(r, sQw + (16 * mi + (lane & 15)) * LDQ + 8 * k8 + (lane >> 4) * 4);
+                const float* qr = sQw + (16 * mi + (lane & 15)) * LDQ + 8 * k8 + (lane >> 4) * 4;
+                if constexpr (LO != 0) {
+                    ldmatrix_x4(a[mi].hi, qr);
+                    ldmatrix_x4(a[mi].lo, qr + LO);
+                } else {
+                    u32 r[4];
+                    ldmatrix_x4(r, qr);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) a[mi].set(e, __uint_as_float(r[e]));
+                    for (int e = 0; e < 4; ++e) a[mi].set(e, __uint_as_float(r[e]));
+                }
             }
 #pragma unroll
             for (int n = 0; n < BN / 8; n += 2) {
@@ -382,13 +436,33 @@ struct MmaTf32 : PassP<float, MI_> {
                 if (n + 1 < BN / 8) {
                     u32 r[4];
                     ldmatrix_x4(r, kr);
+                    if constexpr (LO != 0) {
+                        u32 l[4];
+                        ldmatrix_x4(l, kr + LO);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) b[e >> 1].set(e & 1, __uint_as_float(r[e]));
+                        for (int e = 0; e < 4; ++e) {
+                            b[e >> 1].hi[e & 1] = r[e];
+                            b[e >> 1].lo[e & 1] = l[e];
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) b[e >> 1].set(e & 1, __uint_as_float(r[e]));
+                    }
                 } else {
                     u32 r[2];
                     ldmatrix_x2(r, kr);
+                    if constexpr (LO != 0) {
+                        u32 l[2];
+                        ldmatrix_x2(l, kr + LO);
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) b[0].set(e, __uint_as_float(r[e]));
+                        for (int e = 0; e < 2; ++e) {
+                            b[0].hi[e] = r[e];
+                            b[0].lo[e] = l[e];
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) b[0].set(e, __uint_as_float(r[e]));
+                    }
                 }
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
@@ -405,8 +479,8 @@ struct MmaTf32 : PassP<float, MI_> {
     // its error grew linearly with the sequence (H200, 3xTF32, L = 16384: up to 8.7x the
     // tolerance of dV). This way it is bounded by one tile of keys, and the additions into
     // O round to nearest. P is split again per group; holding all of its split fragments
-    // instead spills.
-    template <int BN, int DV, int LDV>
+    // instead spills. LO (3xTF32): V is split in shared memory, lo LO elements after hi.
+    template <int BN, int DV, int LDV, int LO = 0>
     static __device__ __forceinline__ void pv(const float (&p)[MI][BN / 8][4], const float* sV, float (&o)[MI][DV / 8][4]) {
         constexpr int NT = DV / 8, NG = NT % 4 == 0 && NT < 16 ? 4 : NT % 2 == 0 ? 2 : 1;
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -426,8 +500,8 @@ struct MmaTf32 : PassP<float, MI_> {
                     // B (8, 8): (key 2t, d g), (key 2t + 1, d g)
                     const float* vr = sV + (8 * k8 + 2 * t) * LDV + 8 * (n0 + n) + g;
                     Tf32Frag<SPLIT, 2> b;
-                    b.set(0, vr[0]);
-                    b.set(1, vr[LDV]);
+                    b.template set_at<LO>(0, vr);
+                    b.template set_at<LO>(1, vr + LDV);
 #pragma unroll
                     for (int mi = 0; mi < MI; ++mi) mma_tf32<SPLIT>(acc[mi][n], a[mi], b);
                 }

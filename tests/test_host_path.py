@@ -326,14 +326,19 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
 def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype) -> None:
     """Two warps per 16 keys (ROLES = 2) where measured: float32 (3xTF32) and float64 without
     options or determinism, padded head dims 96 and 128, sm_90; one chunk of the whole head,
-    256 threads, a fused dQ, and P^T's hand-off buffer counted in shared memory."""
+    256 threads, a fused dQ, and P^T's hand-off buffer counted in shared memory; 3xTF32's
+    tiles split once into hi and lo tiles (twice the tiles' bytes, one stage), float64's in
+    two stages."""
     smem = S.ARCH_SMEM[90]
     for d in (65, 80, 96, 97, 128):
         spec = S.select_backward(dtype, d, d, 90, smem, full=False)
         assert spec.roles == 2 and spec.kv_chunk == spec.head_dim and spec.fused_dq and spec.threads == 256
         assert f", {spec.head_dim}, {spec.head_dim}, 64, " in spec.dkdv_name and spec.dkdv_name.endswith(", 2>")
+        assert spec.presplit == (dtype == "float32") and spec.stages == (1 if spec.presplit else 2)
         one = dataclasses.replace(spec, roles=1)
-        assert spec.dkdv_smem_bytes == one.dkdv_smem_bytes + spec.block_r * spec.block_c * spec.acc_itemsize <= smem
+        tiles = (2 * spec.block_r + 2 * spec.stages * spec.block_c) * (spec.head_dim + 4) * spec.itemsize
+        handoff = spec.block_r * spec.block_c * spec.acc_itemsize
+        assert spec.dkdv_smem_bytes == one.dkdv_smem_bytes + handoff + (tiles if spec.presplit else 0) <= smem
         assert spec.dq_threads == 2 * spec.block_r
     for d, arch, full, deterministic in ((64, 90, False, False), (200, 90, False, False), (128, 90, True, False),
                                          (128, 90, False, True), (128, 80, False, False), (128, 89, False, False)):

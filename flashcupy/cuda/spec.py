@@ -322,12 +322,19 @@ class BackwardSpec:
         return 0 if self.fused_dq else 2 * (self.block_r + self.block_c) * self._row_bytes()
 
     @property
+    def presplit(self) -> bool:
+        """Whether the dK/dV kernel splits its K, V, Q and dO tiles into TF32 hi and lo tiles in
+        shared memory once (flash_bwd_dkdv's PRESPLIT): 3xTF32 with two roles, one stage."""
+        return self.policy == "tf32x3" and self.roles == 2
+
+    @property
     def dkdv_smem_bytes(self) -> int:
         """K and V (block_r, HD); per stage Q and dO (block_c, HD), lse and D (block_c); when
         fused, dS^T (block_r, block_c) padded by 16 bytes per row, in T on the float16/bfloat16
         tensor cores and in the accumulator dtype otherwise; with two roles, P^T (block_r,
-        block_c) in the accumulator dtype. wgmma: the tiles swizzled without
-        padding (dS^T in T), and 1024 bytes of slack to align them."""
+        block_c) in the accumulator dtype; ``presplit``: the K, V, Q and dO tiles twice (hi and
+        lo). wgmma: the tiles swizzled without padding (dS^T in T), and 1024 bytes of slack
+        to align them."""
         stats = self.stages * 2 * self.block_c * self.acc_itemsize
         if self.policy == "wgmma":
             elems = (2 * self.block_r + 2 * self.stages * self.block_c) * self.head_dim + self.block_r * self.block_c
@@ -335,7 +342,8 @@ class BackwardSpec:
         pelem = self.itemsize if self.policy == "mma16" else self.acc_itemsize
         ds = self.block_r * (self.block_c * pelem + 16) if self.fused_dq else 0
         handoff = self.block_r * self.block_c * self.acc_itemsize if self.roles == 2 else 0
-        return (2 * self.block_r + 2 * self.stages * self.block_c) * self._row_bytes() + stats + ds + handoff
+        tiles = (2 * self.block_r + 2 * self.stages * self.block_c) * self._row_bytes() * (2 if self.presplit else 1)
+        return tiles + stats + ds + handoff
 
     @property
     def smem_bytes(self) -> int:
@@ -445,8 +453,9 @@ def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, al
         spec = BackwardSpec(dtype, policy, hd, dq_chunk, kv_chunk, block_r, block_c, fused and block_c % 16 == 0,
                             2, full, mi, roles)
         # A second stage of the streamed tiles only while as many blocks fit on an SM as its
-        # registers allow (these kernels take up to 255 a thread: 256 threads fill the file).
-        if max(1, 256 // spec.threads) * spec.smem_bytes > smem_limit:
+        # registers allow (these kernels take up to 255 a thread: 256 threads fill the file),
+        # and never beside the pre-split tiles (their kernel copies during the dQ product).
+        if spec.presplit or max(1, 256 // spec.threads) * spec.smem_bytes > smem_limit:
             if x3_wide and (block_r, block_c) == (128, 64):
                 continue  # its gain was measured with two stages only
             spec = dataclasses.replace(spec, stages=1)
