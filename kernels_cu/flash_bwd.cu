@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
     const int bhk = blockIdx.y + gridDim.y * blockIdx.z;  // (batch, key head)
     if (bhk >= p.batch * p.hk) return;
     const int b = bhk / p.hk, hk = bhk - b * p.hk, group = p.hq / p.hk;
-    const HeadView hv0 = head_view(p, b, hk * group);  // lengths and offsets of batch b
+    const HeadView hv0 = head_view(p, b * p.hq + hk * group);  // lengths and offsets of batch b
     const bool packed = p.cu_seqlens_q != nullptr;
     const int frame_keys = packed ? hv0.kv_len : p.lk;
     if (j0 >= frame_keys) return;
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
         while (hq < group) {
             if (i0 < i_hi) {
                 if constexpr (!FULL) return;  // no mask or block mask: every tile in range is live
-                const HeadView hv = head_view(p, b, hk * group + hq);
+                const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
                 if (tile_live(p, hv, i0, min(i0 + BLOCK_C, i_hi), j0, j0 + max(keys_valid, 1))) return;  // uniform
                 i0 += BLOCK_C;
             } else {
@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
     };
     // Copies of query tile (hq, i0) into stage st: Q, dO, lse and D (zero beyond i_hi).
     auto load_queries = [&](int hq, int i0, int st) {
-        const HeadView hv = head_view(p, b, hk * group + hq);
+        const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
         const int rows = min(i0 + BLOCK_C, i_hi) - i0;
         const i64 q_row0 = packed ? hv.q_start + i0 : i0;
         const T* gQ = static_cast<const T*>(p.q) + row_offset(packed, hv.b, hv.h, q_row0, p.q_sb, p.q_sh, p.q_sr);
@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
         wait_tiles<0, WG>();  // tile (hq, i0) has landed; every warp is done with the other stage and sdS
         if (STAGES == 2 && next_hq < group) load_queries(next_hq, next_i0, st ^ 1);
 
-        const HeadView hv = head_view(p, b, hk * group + hq);
+        const HeadView hv = head_view(p, b * p.hq + hk * group + hq);
         const ScoreOp<Acc> score(p, hv);
         const bool plain = !FULL || (!p.has_softcap && score.bias == nullptr && p.alibi == nullptr
                                      && score.mask == nullptr && score.block_mask == nullptr);

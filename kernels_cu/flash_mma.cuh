@@ -148,6 +148,11 @@ struct Simt : PassP<AccT> {
 // Whether a policy is 3xTF32 (MmaTf32<true, MI>, sm_80+): split fragments, the tightest registers.
 template <typename Policy> constexpr bool kSplitTf32 = false;
 
+// Declared for every architecture, so that kernels can name it in branches only 3xTF32
+// policies take; defined below with them (sm_80+).
+template <int ROWS, int COLS, int LD, int LO, int THREADS>
+__device__ __forceinline__ void tf32_split_chunks(float* tile);
+
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
 // ------------------------------------------------------------------ float16 / bfloat16

@@ -57,14 +57,11 @@ struct HeadView {
     i32 diagonal;            // kv_len - q_len: column i + diagonal aligns with row i
 };
 
-// Head h of batch entry b. The dK/dV kernel, which knows both and visits each query head of
-// a group once per query tile, calls this form: the integer division of the one below, once
-// per tile, cost the float64 D = 64 backward 3-4% (H100, bench/NOTES.md).
-__device__ __forceinline__ HeadView head_view(const Params& p, i32 b, i32 h) {
+__device__ __forceinline__ HeadView head_view(const Params& p, i32 bh) {
     HeadView hv;
-    hv.bh = b * p.hq + h;
-    hv.b = b;
-    hv.h = h;
+    hv.bh = bh;
+    hv.b = bh / p.hq;
+    hv.h = bh - hv.b * p.hq;
     if (p.cu_seqlens_q != nullptr) {
         hv.q_start = p.cu_seqlens_q[hv.b];
         hv.k_start = p.cu_seqlens_k[hv.b];
@@ -77,12 +74,6 @@ __device__ __forceinline__ HeadView head_view(const Params& p, i32 b, i32 h) {
     }
     hv.diagonal = hv.kv_len - hv.q_len;
     return hv;
-}
-
-// The head of flattened index bh = b hq + h.
-__device__ __forceinline__ HeadView head_view(const Params& p, i32 bh) {
-    const i32 b = bh / p.hq;
-    return head_view(p, b, bh - b * p.hq);
 }
 
 // Keys [lo, hi) that some row of [i0, i1) may attend under causal and window.
