@@ -323,6 +323,18 @@ __device__ __forceinline__ void tf32_split(float x, u32& hi, u32& lo) {
     lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
+// Four elements split, hi to `hi` and lo to `lo` (16-byte aligned shared memory: one 16-byte
+// store each); the hi and lo tiles of the operands split once in shared memory.
+__device__ __forceinline__ void tf32_split_store(void* hi, void* lo, float a, float b, float c, float d) {
+    uint4 h, l;
+    tf32_split(a, h.x, l.x);
+    tf32_split(b, h.y, l.y);
+    tf32_split(c, h.z, l.z);
+    tf32_split(d, h.w, l.w);
+    *reinterpret_cast<uint4*>(hi) = h;
+    *reinterpret_cast<uint4*>(lo) = l;
+}
+
 template <bool SPLIT, int N>
 struct Tf32Frag {
     u32 hi[N];
@@ -371,13 +383,7 @@ __device__ __forceinline__ void tf32_split_chunks(float* tile) {
         const int i = threadIdx.x + THREADS * k;
         if (N * THREADS == ROWS * CHUNKS || i < ROWS * CHUNKS) {
             float* at = tile + i / CHUNKS * LD + i % CHUNKS * 4;
-            uint4 h, l;
-            tf32_split(x[k].x, h.x, l.x);
-            tf32_split(x[k].y, h.y, l.y);
-            tf32_split(x[k].z, h.z, l.z);
-            tf32_split(x[k].w, h.w, l.w);
-            *reinterpret_cast<uint4*>(at) = h;
-            *reinterpret_cast<uint4*>(at + LO) = l;
+            tf32_split_store(at, at + LO, x[k].x, x[k].y, x[k].z, x[k].w);
         }
     }
 }

@@ -322,19 +322,6 @@ struct MmaWgmmaTf32x3 {
     static constexpr int MI = 1;
     template <int KEYS> using PSplit = u32[KEYS / 8][4];  // P's hi or lo A fragments, one per 8 keys
 
-    // Four elements split, hi to byte offset `at` of one tile and lo to the same offset of the
-    // other (16-byte stores).
-    static __device__ __forceinline__ void store_split(unsigned char* hi, unsigned char* lo, int at, float a, float b,
-                                                       float c, float d) {
-        uint4 h, l;
-        tf32_split(a, h.x, l.x);
-        tf32_split(b, h.y, l.y);
-        tf32_split(c, h.z, l.z);
-        tf32_split(d, h.w, l.w);
-        *reinterpret_cast<uint4*>(hi + at) = h;
-        *reinterpret_cast<uint4*>(lo + at) = l;
-    }
-
     // Rows [0, ROWS) of a (rows, cols) global float matrix (row stride `stride` elements),
     // zero outside (valid_rows, valid_cols), split into hi and lo Sw128 tiles by the producer
     // warpgroup's THREADS threads: `copy` lands the rows as they are in the hi tile
@@ -359,8 +346,10 @@ struct MmaWgmmaTf32x3 {
 #pragma unroll
             for (int k = 0; k < N; ++k) x[k] = *reinterpret_cast<const float4*>(hi + Tile::chunk_offset(r0 + k * STEP, c));
 #pragma unroll
-            for (int k = 0; k < N; ++k)
-                store_split(hi, lo, Tile::chunk_offset(r0 + k * STEP, c), x[k].x, x[k].y, x[k].z, x[k].w);
+            for (int k = 0; k < N; ++k) {
+                const int at = Tile::chunk_offset(r0 + k * STEP, c);
+                tf32_split_store(hi + at, lo + at, x[k].x, x[k].y, x[k].z, x[k].w);
+            }
         }
     };
 
@@ -419,8 +408,8 @@ struct MmaWgmmaTf32x3 {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {  // row d = 4 c + i of V^T
                     auto col = [&](int m) { return reinterpret_cast<const float*>(&x[u][m])[i]; };
-                    store_split(hi, lo, Sw128Tile<float, DV, KEYS>::chunk_offset(4 * c + i, q), col(0), col(1), col(2),
-                                col(3));
+                    const int at = Sw128Tile<float, DV, KEYS>::chunk_offset(4 * c + i, q);
+                    tf32_split_store(hi + at, lo + at, col(0), col(1), col(2), col(3));
                 }
             }
         }
