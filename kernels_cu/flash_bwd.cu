@@ -402,12 +402,25 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int kw = ROLES == 1 ? warp : warp % KW, role = ROLES == 1 ? 0 : warp / KW;  // this warp's keys and role
+    // Block order: the grid's blocks in order (x fastest) are either each (batch, key head)
+    // pair's key blocks in turn (bp.key_block_major = 0), or, with key_block_major, each key
+    // block (and chunk) in turn over all the pairs. Causal masks make a head's first key
+    // blocks the heaviest (they see every query): in the first order the last heads' heavy
+    // blocks start last and run alone at the end; in the second every heavy block starts
+    // first and the light ones fill the tail (float32 and float64 causal, H100: 3-11%
+    // faster; bench/NOTES.md). The host takes it there only (backward_key_block_major):
+    // the 16-bit kernels, fast enough to need L2, then stream the queries of every head
+    // through it at once and run 6-7% slower at L = 16384.
     const int n_blocks = (p.lk + BLOCK_R - 1) / BLOCK_R;
-    const int chunk = blockIdx.x / n_blocks;
-    const int j0 = (blockIdx.x - chunk * n_blocks) * BLOCK_R;
+    const int heads = p.batch * p.hk, grid_head = blockIdx.y + gridDim.y * blockIdx.z;
+    if (grid_head >= heads) return;  // beyond the last head (heads split over y and z)
+    const i64 linear = blockIdx.x + i64(gridDim.x) * grid_head;
+    const bool key_major = bp.key_block_major != 0;
+    const int bx = key_major ? static_cast<int>(linear / heads) : blockIdx.x;           // key block and chunk
+    const int bhk = key_major ? static_cast<int>(linear - i64(bx) * heads) : grid_head;  // (batch, key head)
+    const int chunk = bx / n_blocks;
+    const int j0 = (bx - chunk * n_blocks) * BLOCK_R;
     const int c0 = chunk * CH;
-    const int bhk = blockIdx.y + gridDim.y * blockIdx.z;  // (batch, key head)
-    if (bhk >= p.batch * p.hk) return;
     const int b = bhk / p.hk, hk = bhk - b * p.hk, group = p.hq / p.hk;
     const HeadView hv0 = head_view(p, b * p.hq + hk * group);  // lengths and offsets of batch b
     const bool packed = p.cu_seqlens_q != nullptr;

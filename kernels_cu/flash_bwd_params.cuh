@@ -27,6 +27,7 @@ struct BwdParams {
     i64 db_sb, db_sh, db_si, db_sj;
     i64 dqa_sb, dqa_sh, dqa_sr;
     i32 d_true;                // q's (and dq's) head dim: the columns dq and dk have
+    i32 key_block_major;       // flash_bwd_dkdv's block order: 1 key block by key block over the heads, 0 head by head
 };
 
 #ifdef FLASH_BWD_PARAMS_SIZE

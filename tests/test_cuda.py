@@ -24,7 +24,13 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 from flashcupy import cuda  # noqa: E402  (needs CuPy)
 from flashcupy.cuda import compile as kernels  # noqa: E402
-from flashcupy.cuda.spec import FORCE_PORTABLE_ENV, all_kernels, select_backward, select_forward  # noqa: E402
+from flashcupy.cuda.spec import (  # noqa: E402
+    FORCE_PORTABLE_ENV,
+    all_kernels,
+    backward_key_block_major,
+    select_backward,
+    select_forward,
+)
 
 GPU_SETTINGS = settings(max_examples=int(os.environ.get("FLASHCUPY_GPU_EXAMPLES", "60")), deadline=None)
 
@@ -339,6 +345,15 @@ def test_split_roles_backward_matches_reference(dtype, shape, options) -> None:
     b, hq, hk, lq, lk, d, dv = shape
     assert select_backward(np.dtype(dtype).name, d, dv, arch, smem, full=False).roles == 2
     _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
+
+
+@pytest.mark.parametrize("dtype", [F16, F32])
+def test_backward_more_than_65535_heads(dtype) -> None:
+    """batch x key heads beyond gridDim.y's limit, causal: the dK/dV grid's padding blocks in
+    both block orders (key block by key block for float32, head by head for float16)."""
+    spec = select_backward(np.dtype(dtype).name, 8, 8, *cuda.device_limits(cupy.cuda.Device().id))
+    assert backward_key_block_major(spec, True) == (dtype == F32)
+    _check_backward(_case((70000, 1, 3, 8), (70000, 1, 5, 8), dtype=dtype, causal=True))
 
 
 @pytest.mark.parametrize("dtype, d", [(F64, 128), (F32, 96)])

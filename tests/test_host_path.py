@@ -322,6 +322,17 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
     assert S.select_forward("float32", 128, 128, 90, S.ARCH_SMEM[90]).policy == "tf32x3"
 
 
+def test_key_block_major_order_for_causal_float32_and_float64_only() -> None:
+    """flash_bwd_dkdv's block order: key block by key block (heavy blocks first) where a
+    causal mask makes blocks unequal and the kernels do not stream through L2 at 16-bit
+    speeds; head by head otherwise."""
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        for d, arch, full in ((64, 90, False), (128, 90, True), (128, 80, False)):
+            spec = S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full)
+            assert S.backward_key_block_major(spec, True) == (dtype in ("float32", "float64"))
+            assert not S.backward_key_block_major(spec, False)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype) -> None:
     """Two warps per 16 keys (ROLES = 2) where measured: float32 (3xTF32) and float64 without

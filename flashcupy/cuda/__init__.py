@@ -19,7 +19,7 @@ from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
 from .compile import forward_function, get_function
-from .spec import ROW_PASS_ROWS, needs_full, select_backward, select_forward
+from .spec import ROW_PASS_ROWS, backward_key_block_major, needs_full, select_backward, select_forward
 
 #: Fill outputs with NaN before each launch (tests set it) so unwritten elements show.
 poison_outputs = False
@@ -318,7 +318,8 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             bparams = P.pack(
                 P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr,
                 lse2=lse2.data.ptr, dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim,
-                dq_accum=dq_accum, **fields,
+                key_block_major=int(backward_key_block_major(spec, pb.causal is not None)), dq_accum=dq_accum,
+                **fields,
             )
             if key is not None and _same_memory((q, k, v, dout, out), operands):
                 _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS))

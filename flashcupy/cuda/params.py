@@ -44,7 +44,7 @@ BWD_PARAMS_DTYPE = np.dtype(
     + [(n, np.int64) for n in ("do_sb", "do_sh", "do_sr", "out_sb", "out_sh", "out_sr", "dq_sb", "dq_sh", "dq_sr",
                                "dk_sb", "dk_sh", "dk_sr", "dv_sb", "dv_sh", "dv_sr", "db_sb", "db_sh", "db_si",
                                "db_sj", "dqa_sb", "dqa_sh", "dqa_sr")]
-    + [("d_true", np.int32)],
+    + [("d_true", np.int32), ("key_block_major", np.int32)],
     align=True,
 )
 
