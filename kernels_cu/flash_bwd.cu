@@ -489,18 +489,20 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
     int hq = 0, i0 = i_first, st = 0;
     advance(hq, i0);
     if (hq < group) load_queries(hq, i0, 0);
+    // Byte offset of chunk c of row r in a padded tile (PRESPLIT's tf32_split_chunks)
+    auto padded_chunk = [](int r, int c) { return static_cast<int>(sizeof(T)) * (r * LD + 4 * c); };
     if constexpr (PRESPLIT) {  // each thread splits the chunks it copied (before the loop's first barrier)
         cp_async_wait<0>();
-        tf32_split_chunks<BLOCK_R, HD, LD, LO, THREADS>(sK);
-        tf32_split_chunks<BLOCK_R, HD, LD, LO, THREADS>(sV);
+        tf32_split_chunks<BLOCK_R, HD / 4, THREADS>(sK, sK + LO, padded_chunk);
+        tf32_split_chunks<BLOCK_R, HD / 4, THREADS>(sV, sV + LO, padded_chunk);
     }
     while (hq < group) {
         int next_hq = hq, next_i0 = i0 + BLOCK_C;
         advance(next_hq, next_i0);
         if constexpr (PRESPLIT) {  // as K and V; every warp is done with sdS (and, one stage, Q and dO)
             cp_async_wait<0>();
-            tf32_split_chunks<BLOCK_C, HD, LD, LO, THREADS>(sQ);
-            tf32_split_chunks<BLOCK_C, HD, LD, LO, THREADS>(sdO);
+            tf32_split_chunks<BLOCK_C, HD / 4, THREADS>(sQ, sQ + LO, padded_chunk);
+            tf32_split_chunks<BLOCK_C, HD / 4, THREADS>(sdO, sdO + LO, padded_chunk);
         }
         wait_tiles<0, WG>();  // tile (hq, i0) has landed; every warp is done with the other stage and sdS
         if (STAGES == 2 && next_hq < group) load_queries(next_hq, next_i0, st ^ 1);

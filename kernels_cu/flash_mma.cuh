@@ -150,8 +150,8 @@ template <typename Policy> constexpr bool kSplitTf32 = false;
 
 // Declared for every architecture, so that kernels can name it in branches only 3xTF32
 // policies take; defined below with them (sm_80+).
-template <int ROWS, int COLS, int LD, int LO, int THREADS>
-__device__ __forceinline__ void tf32_split_chunks(float* tile);
+template <int ROWS, int CHUNKS, int THREADS, typename Offset>
+__device__ __forceinline__ void tf32_split_chunks(float* hi, float* lo, Offset offset, u32 tid = threadIdx.x);
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
@@ -360,32 +360,33 @@ struct Tf32Frag {
     }
 };
 
-// The 16-byte chunks copy_chunks<float, ROWS, COLS / 4, THREADS> copied for this thread
-// (tid = threadIdx.x) into a tile of row pitch LD, rewritten in place as their TF32 hi
-// halves, with the lo halves LO elements further on (3xTF32 operands split once per tile,
-// not by every warp that reads them). Both of copy_chunks' maps give thread tid the chunks
-// tid + THREADS k in row-major order, so this thread waits for its own copies only. The
-// reads all come before the stores: the compiler cannot move them above stores it cannot
-// tell apart from them.
-template <int ROWS, int COLS, int LD, int LO, int THREADS>
-__device__ __forceinline__ void tf32_split_chunks(float* tile) {
-    constexpr int CHUNKS = COLS / 4, N = (ROWS * CHUNKS + THREADS - 1) / THREADS;
-    static_assert(COLS % 4 == 0 && LO % 4 == 0, "whole 16-byte chunks");
+// The 16-byte chunks copy_chunks<float, ROWS, CHUNKS, THREADS> copied for thread `tid`
+// into the tile at `hi`, chunk c of row r `offset(r, c)` bytes in, rewritten in place as
+// their TF32 hi halves, with the lo halves at the same offsets from `lo` (3xTF32 operands
+// split once per tile, not by every warp that reads them). Both of copy_chunks' maps give
+// thread tid the chunks tid + THREADS k in row-major order, so this thread waits for its own
+// copies only. The reads all come before the stores: the compiler cannot move them above
+// stores it cannot tell apart from them.
+template <int ROWS, int CHUNKS, int THREADS, typename Offset>
+__device__ __forceinline__ void tf32_split_chunks(float* hi, float* lo, Offset offset, u32 tid) {
+    constexpr int N = (ROWS * CHUNKS + THREADS - 1) / THREADS;
+    unsigned char* h = reinterpret_cast<unsigned char*>(hi);
+    unsigned char* l = reinterpret_cast<unsigned char*>(lo);
+    // Chunk tid + THREADS k: row and column once per thread where THREADS is whole rows
+    const int r0 = static_cast<int>(tid / CHUNKS), c0 = static_cast<int>(tid % CHUNKS);
+    auto at = [&](int k) {
+        if constexpr (THREADS % CHUNKS == 0) return offset(r0 + k * (THREADS / CHUNKS), c0);
+        const int i = static_cast<int>(tid) + THREADS * k;
+        return offset(i / CHUNKS, i % CHUNKS);
+    };
+    auto mine = [&](int k) { return N * THREADS == ROWS * CHUNKS || static_cast<int>(tid) + THREADS * k < ROWS * CHUNKS; };
     float4 x[N];
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-        const int i = threadIdx.x + THREADS * k;
-        if (N * THREADS == ROWS * CHUNKS || i < ROWS * CHUNKS)
-            x[k] = *reinterpret_cast<const float4*>(tile + i / CHUNKS * LD + i % CHUNKS * 4);
-    }
+    for (int k = 0; k < N; ++k)
+        if (mine(k)) x[k] = *reinterpret_cast<const float4*>(h + at(k));
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-        const int i = threadIdx.x + THREADS * k;
-        if (N * THREADS == ROWS * CHUNKS || i < ROWS * CHUNKS) {
-            float* at = tile + i / CHUNKS * LD + i % CHUNKS * 4;
-            tf32_split_store(at, at + LO, x[k].x, x[k].y, x[k].z, x[k].w);
-        }
-    }
+    for (int k = 0; k < N; ++k)
+        if (mine(k)) tf32_split_store(h + at(k), l + at(k), x[k].x, x[k].y, x[k].z, x[k].w);
 }
 
 // C (16, 8) += A (16, 8) B (8, 8), the small cross terms first.

@@ -326,30 +326,19 @@ struct MmaWgmmaTf32x3 {
     // zero outside (valid_rows, valid_cols), split into hi and lo Sw128 tiles by the producer
     // warpgroup's THREADS threads: `copy` lands the rows as they are in the hi tile
     // (Sw128Tile::load's cp.async, one group per call site), `split` (once they have landed)
-    // rewrites them in place as hi and writes lo. Thread `tid` splits the chunks copy_chunks
-    // gave it, tid % CHUNKS of every STEP-th row, so it waits for its own copies only.
+    // rewrites them in place as hi and writes lo (tf32_split_chunks: thread `tid` splits the
+    // chunks it copied, so it waits for its own copies only).
     template <int ROWS, int COLS, int THREADS>
     struct RowSplit {
         using Tile = Sw128Tile<float, ROWS, COLS>;
-        static constexpr int CHUNKS = COLS / 4, STEP = THREADS / CHUNKS, N = ROWS / STEP;
-        static_assert(kStridedChunks<float, ROWS, CHUNKS, THREADS>, "copy_chunks' thread-to-chunk map is split's");
 
         static __device__ __forceinline__ void copy(float* sHi, const float* g, i64 stride, int valid_rows,
                                                     int valid_cols, int tid) {
             Tile::template load<THREADS>(sHi, g, stride, valid_rows, valid_cols, tid);
         }
         static __device__ __forceinline__ void split(float* sHi, float* sLo, int tid) {
-            unsigned char* hi = reinterpret_cast<unsigned char*>(sHi);
-            unsigned char* lo = reinterpret_cast<unsigned char*>(sLo);
-            const int c = tid % CHUNKS, r0 = tid / CHUNKS;
-            float4 x[N];  // every read first: the compiler cannot move them above the stores
-#pragma unroll
-            for (int k = 0; k < N; ++k) x[k] = *reinterpret_cast<const float4*>(hi + Tile::chunk_offset(r0 + k * STEP, c));
-#pragma unroll
-            for (int k = 0; k < N; ++k) {
-                const int at = Tile::chunk_offset(r0 + k * STEP, c);
-                tf32_split_store(hi + at, lo + at, x[k].x, x[k].y, x[k].z, x[k].w);
-            }
+            tf32_split_chunks<ROWS, COLS / 4, THREADS>(sHi, sLo, [](int r, int c) { return Tile::chunk_offset(r, c); },
+                                                       tid);
         }
     };
 
