@@ -65,13 +65,15 @@ __host__ __device__ constexpr int dq_slices(int most, int width, int align) {
     return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
 }
 
-// What dQ's accumulator (FUSED_DQ) holds: dQ itself for float64 and for float32 up to
-// HD = 64 (the backend then points it at dQ wherever the layouts agree, even head dims,
-// and no conversion pass runs), else dQ / scale, which flash_bwd_dq_convert scales once
-// (the 16-bit dS K sums stay as FlashAttention-2 rounds them). float32 above 64: the
-// factor, multiplied in double (below), cost the D = 128 backward 6-8% on the H100.
-template <typename T, typename Acc, int HD>
-constexpr bool kDqAccumScaled = sizeof(T) == sizeof(Acc) && (sizeof(T) == 8 || HD <= 64);
+// What dQ's accumulator (FUSED_DQ) holds: dQ itself for float64, for float32 up to HD = 64
+// and with split roles (ROLES = 2, kScaledDs: the scale comes with P^T) whatever the dtype;
+// the backend then points it at dQ wherever the layouts agree (even head dims), and no
+// conversion pass runs. Otherwise dQ / scale, which flash_bwd_dq_convert scales once (the
+// 16-bit dS K sums stay as FlashAttention-2 rounds them). float32 above 64 with one role:
+// the factor, multiplied in double at the atomics (below), cost the D = 128 backward 6-8%
+// on the H100.
+template <typename T, typename Acc, int HD, int ROLES>
+constexpr bool kDqAccumScaled = ROLES == 2 || (sizeof(T) == sizeof(Acc) && (sizeof(T) == 8 || HD <= 64));
 
 // A dQ tile's share of this thread, rows row0 + g and row0 + g + 8 (those below i1) and
 // the accumulator layout's column pairs (2t, 2t + 1) of N tiles from column col, added
@@ -373,6 +375,13 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
     // a fifth of the kernel's time at D = 128 (H100: bench/NOTES.md). The lo tiles leave
     // room for one stage; the next tile is copied during the dQ product instead.
     constexpr bool PRESPLIT = ROLES == 2 && kSplitTf32<Policy>;
+    // Split roles: role 0 hands its partner scale P^T (one multiplication per element, while
+    // the partner is still on dP^T), so dS^T, and with it dK and the dQ products, carry the
+    // scale: the atomics add dQ itself and dK is stored as it is. float32 at D = 128 then
+    // needs no accumulator beside dQ and no conversion pass. Otherwise the atomics multiply
+    // where the accumulator holds dQ (add_dq_tile's SCALED), and dK is scaled at the end.
+    constexpr bool kScaledDs = ROLES == 2;
+    constexpr bool kScaleAtomics = kDqAccumScaled<T, Acc, HD, ROLES> && !kScaledDs;
     static_assert(!PRESPLIT || (STAGES == 1 && FUSED_DQ), "pre-split tiles: one stage, copied during the fused dQ");
     constexpr int LO = PRESPLIT ? 2 * KTile::ELEMS + 2 * STAGES * QTile::ELEMS : 0;
     // dS^T (BLOCK_R, BLOCK_C) for the fused dQ: swizzled, or rows padded to LDS
@@ -601,8 +610,8 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
                 dp = live ? ds : Acc(0);
             };
             if constexpr (ROLES == 2) {
-                // The pair's named barrier (1 + kw; 0 is __syncthreads'): role 0 arrives once P^T is
-                // in sP, role 1 waits for it. sP is rewritten only after the next block-wide barrier,
+                // The pair's named barrier (1 + kw; 0 is __syncthreads'): role 0 arrives once scale
+                // P^T (kScaledDs) is in sP, role 1 waits for it. sP is rewritten only after the next block-wide barrier,
                 // which follows role 1's reads.
                 Acc* sPw = sP + kw * (MI * NT * 4 * 32) + lane;  // this thread's elements, 32 apart
                 if (role == 0) {
@@ -614,13 +623,13 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
                         });
                     });
 #pragma unroll
-                    for (int x = 0; x < MI * NT * 4; ++x) sPw[32 * x] = (&s_t[0][0][0])[x];
+                    for (int x = 0; x < MI * NT * 4; ++x) sPw[32 * x] = (&s_t[0][0][0])[x] * score.scale;
                     named_barrier_arrive(1 + kw, 64);
                 } else {
                     named_barrier_sync(1 + kw, 64);
 #pragma unroll
                     for (int x = 0; x < MI * NT * 4; ++x) (&dp_t[0][0][0])[x] = sPw[32 * x];
-                    // dS^T = P^T (dP^T - D) into s_t, which holds dP^T; P^T (in dp_t) is already 0
+                    // scale dS^T = (scale P^T) (dP^T - D) into s_t, which holds dP^T; P^T (in dp_t) is already 0
                     // outside, dS^T is selected there as with one role
                     by_tile(fast, [&](const bool FAST) {
                         each_element(dp_t, r0, 0, t, [&](Acc& pe, Acc& dp, int j, int c) { differentiate(FAST, pe, dp, c, j); },
@@ -680,7 +689,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
             fence_regs(dq[0]);
             fence_regs(pf[0]);
             fence_regs(dsf[0]);
-            add_dq_tile<kDqAccumScaled<T, Acc, HD>>(gdQa, bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4), i1, col0, bp.d_true,
+            add_dq_tile<kScaleAtomics>(gdQa, bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4), i1, col0, bp.d_true,
                                                 p.scale);
         } else {
             typename Policy::template PFrag<BLOCK_C> pf;
@@ -715,7 +724,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
                         else
                             One::template pv<KC, NQ, LD>(ds, sK + k0 * LD + c0 + n0, dq);
                     }
-                    add_dq_tile<kDqAccumScaled<T, Acc, HD>>(gdQa, bp.dqa_sr, dq, i0 + 16 * rg, i1, c0 + n0, bp.d_true,
+                    add_dq_tile<kScaleAtomics>(gdQa, bp.dqa_sr, dq, i0 + 16 * rg, i1, c0 + n0, bp.d_true,
                                                         p.scale);
                 }
             }
@@ -732,7 +741,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
 
     const i64 dk_off = (packed ? hv0.k_start * bp.dk_sr : b * bp.dk_sb) + hk * bp.dk_sh;
     const i64 dv_off = (packed ? hv0.k_start * bp.dv_sr : b * bp.dv_sb) + hk * bp.dv_sh;
-    const Acc scale = static_cast<Acc>(p.scale);
+    const Acc scale = kScaledDs ? Acc(1) : static_cast<Acc>(p.scale);  // dK's
     // With split roles each warp writes its own gradient only (no columns of the other)
     const int k_cols = ROLES == 1 || role == 1 ? min(CH, bp.d_true - c0) : 0;
     const int v_cols = ROLES == 1 || role == 0 ? min(CH, p.dv - c0) : 0;

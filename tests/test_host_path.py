@@ -337,9 +337,9 @@ def test_key_block_major_order_for_causal_float32_and_float64_only() -> None:
 def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype) -> None:
     """Two warps per 16 keys (ROLES = 2) where measured: float32 (3xTF32) and float64 without
     options or determinism, padded head dims 96 and 128, sm_90; one chunk of the whole head,
-    256 threads, a fused dQ, and P^T's hand-off buffer counted in shared memory; 3xTF32's
-    tiles split once into hi and lo tiles (twice the tiles' bytes, one stage), float64's in
-    two stages."""
+    256 threads, a fused dQ whose accumulator is dQ itself (P^T handed over times the scale),
+    and P^T's hand-off buffer counted in shared memory; 3xTF32's tiles split once into hi and
+    lo tiles (twice the tiles' bytes, one stage), float64's in two stages."""
     smem = S.ARCH_SMEM[90]
     for d in (65, 80, 96, 97, 128):
         spec = S.select_backward(dtype, d, d, 90, smem, full=False)
@@ -351,6 +351,7 @@ def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype)
         handoff = spec.block_r * spec.block_c * spec.acc_itemsize
         assert spec.dkdv_smem_bytes == one.dkdv_smem_bytes + handoff + (tiles if spec.presplit else 0) <= smem
         assert spec.dq_threads == 2 * spec.block_r
+        assert spec.dq_accum_scaled and not one.dq_accum_scaled == (dtype == "float32")  # dS carries the scale
     for d, arch, full, deterministic in ((64, 90, False, False), (200, 90, False, False), (128, 90, True, False),
                                          (128, 90, False, True), (128, 80, False, False), (128, 89, False, False)):
         assert S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full,
