@@ -15,7 +15,7 @@ struct BwdParams {
     void* dk;                  // like k
     void* dv;                  // like v
     void* dbias;               // accumulator-dtype buffer, strided by db_* (0 on reduced dims); or nullptr
-    void* dq_accum;            // accumulator-dtype dQ (float32/float64) or dQ / scale (16-bit), zeroed by
+    void* dq_accum;            // accumulator-dtype dQ, or dQ / scale (flash_bwd.cu's kDqAccumScaled), zeroed by
                                // flash_bwd_delta, strided by dqa_* (packed: dqa_sb unused);
                                // nullptr when dQ has its own kernel (deterministic)
     void* lse2;                // lse * log2(e), 0 where lse = -inf: written by flash_bwd_delta, laid out like lse
