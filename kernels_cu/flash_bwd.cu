@@ -65,15 +65,15 @@ __host__ __device__ constexpr int dq_slices(int most, int width, int align) {
     return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
 }
 
-// What dQ's accumulator (FUSED_DQ) holds: dQ itself for float64, for float32 up to HD = 64
-// and with split roles (ROLES = 2, kScaledDs: the scale comes with P^T) whatever the dtype;
-// the backend then points it at dQ wherever the layouts agree (even head dims), and no
-// conversion pass runs. Otherwise dQ / scale, which flash_bwd_dq_convert scales once (the
-// 16-bit dS K sums stay as FlashAttention-2 rounds them). float32 above 64 with one role:
-// the factor, multiplied in double at the atomics (below), cost the D = 128 backward 6-8%
-// on the H100.
-template <typename T, typename Acc, int HD, int ROLES>
-constexpr bool kDqAccumScaled = ROLES == 2 || (sizeof(T) == sizeof(Acc) && (sizeof(T) == 8 || HD <= 64));
+// What dQ's accumulator (FUSED_DQ) holds with one role: dQ itself for float64 and for
+// float32 up to HD = 64, the atomics multiplying by the scale (the backend then points it
+// at dQ wherever the layouts agree, even head dims, and no conversion pass runs), else
+// dQ / scale, which flash_bwd_dq_convert scales once (the 16-bit dS K sums stay as
+// FlashAttention-2 rounds them). float32 above 64: the factor, multiplied in double at the
+// atomics (below), cost the D = 128 backward 6-8% on the H100. With split roles the
+// accumulator holds dQ itself whatever the dtype (flash_bwd_dkdv's kScaledDs).
+template <typename T, typename Acc, int HD>
+constexpr bool kDqAccumScaled = sizeof(T) == sizeof(Acc) && (sizeof(T) == 8 || HD <= 64);
 
 // A dQ tile's share of this thread, rows row0 + g and row0 + g + 8 (those below i1) and
 // the accumulator layout's column pairs (2t, 2t + 1) of N tiles from column col, added
@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
     // needs no accumulator beside dQ and no conversion pass. Otherwise the atomics multiply
     // where the accumulator holds dQ (add_dq_tile's SCALED), and dK is scaled at the end.
     constexpr bool kScaledDs = ROLES == 2;
-    constexpr bool kScaleAtomics = kDqAccumScaled<T, Acc, HD, ROLES> && !kScaledDs;
+    constexpr bool kScaleAtomics = kDqAccumScaled<T, Acc, HD> && !kScaledDs;
     static_assert(!PRESPLIT || (STAGES == 1 && FUSED_DQ), "pre-split tiles: one stage, copied during the fused dQ");
     constexpr int LO = PRESPLIT ? 2 * KTile::ELEMS + 2 * STAGES * QTile::ELEMS : 0;
     // dS^T (BLOCK_R, BLOCK_C) for the fused dQ: swizzled, or rows padded to LDS
@@ -611,8 +611,8 @@ __global__ void __launch_bounds__(ROLES * BLOCK_R * 2 / Policy::MI, 1) flash_bwd
             };
             if constexpr (ROLES == 2) {
                 // The pair's named barrier (1 + kw; 0 is __syncthreads'): role 0 arrives once scale
-                // P^T (kScaledDs) is in sP, role 1 waits for it. sP is rewritten only after the next block-wide barrier,
-                // which follows role 1's reads.
+                // P^T (kScaledDs) is in sP, role 1 waits for it. sP is rewritten only after the next
+                // block-wide barrier, which follows role 1's reads.
                 Acc* sPw = sP + kw * (MI * NT * 4 * 32) + lane;  // this thread's elements, 32 apart
                 if (role == 0) {
                     // P^T, with the scores outside the lengths and the band selected to 0

@@ -351,7 +351,7 @@ def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype)
         handoff = spec.block_r * spec.block_c * spec.acc_itemsize
         assert spec.dkdv_smem_bytes == one.dkdv_smem_bytes + handoff + (tiles if spec.presplit else 0) <= smem
         assert spec.dq_threads == 2 * spec.block_r
-        assert spec.dq_accum_scaled and not one.dq_accum_scaled == (dtype == "float32")  # dS carries the scale
+        assert spec.dq_accum_scaled and one.dq_accum_scaled == (dtype == "float64")  # dS carries the scale
     for d, arch, full, deterministic in ((64, 90, False, False), (200, 90, False, False), (128, 90, True, False),
                                          (128, 90, False, True), (128, 80, False, False), (128, 89, False, False)):
         assert S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full,

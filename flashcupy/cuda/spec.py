@@ -292,9 +292,9 @@ class BackwardSpec:
 
     @property
     def dq_accum_scaled(self) -> bool:
-        """Whether the fused dQ's accumulator holds dQ itself, not dQ / scale (flash_bwd.cu's
-        kDqAccumScaled): float64, float32 up to a head dim of 64, and split roles (their dS
-        carries the scale)."""
+        """Whether the fused dQ's accumulator holds dQ itself, not dQ / scale: float64 and
+        float32 up to a head dim of 64 (flash_bwd.cu's kDqAccumScaled), and split roles, whose
+        dS carries the scale (kScaledDs)."""
         return self.dtype == "float64" or (self.dtype == "float32" and self.head_dim <= 64) or self.roles == 2
 
     @property
