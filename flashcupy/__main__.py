@@ -211,26 +211,27 @@ def _gpus() -> tuple[list[dict[str, Any]], str | None]:
 
 
 def kernel_paths(arch: int | None) -> dict[str, str]:
-    """Which kernel path each dtype takes on a GPU of compute capability ``arch`` (None: no GPU)."""
-    from flashcupy.cuda.spec import (HEAD_DIM_BUCKETS, WGMMA_HEAD_DIMS, WGMMA_TF32_HEAD_DIMS, force_portable,
-                                     forward_policy, policy_for)
+    """Which kernel path each dtype takes on a GPU of compute capability ``arch`` (None: no GPU):
+    the forward's product policy (flashcupy.cuda.spec's rule table, without score options) at
+    each padded head dim, the most common first."""
+    from flashcupy.cuda.spec import ARCH_SMEM, HEAD_DIM_BUCKETS, Call, NoKernelError, choose_forward, force_portable
 
     paths = {}
     for label, dtype, tf32 in [(name, name, False) for name in DTYPES] + [("float32 allow_tf32", "float32", True)]:
         if arch is None:
             paths[label] = "cpu backend"
-        else:
-            policy = policy_for(dtype, arch, tf32, force_portable())
-            paths[label] = f"{policy}: {POLICY_DESCRIPTIONS[policy]}"
-            wide = forward_policy(dtype, WGMMA_HEAD_DIMS[0], arch, tf32, force_portable())
-            if wide != policy:
-                dims = "/".join(map(str, WGMMA_HEAD_DIMS))
-                paths[label] += f"; forward at head dims {dims}: {wide}: {POLICY_DESCRIPTIONS[wide]}"
-            if policy == "tf32x3" and arch == 90:
-                top = WGMMA_TF32_HEAD_DIMS[-1]
-                dims = f"{HEAD_DIM_BUCKETS[HEAD_DIM_BUCKETS.index(top) - 1] + 1}-{top}"
-                paths[label] += (f"; forward at max(D, Dv) {dims} without score options: wgmma_tf32x3: "
-                                 f"{POLICY_DESCRIPTIONS['wgmma_tf32x3']}")
+            continue
+        smem = ARCH_SMEM.get(arch, min(ARCH_SMEM.values()))
+        dims: dict[str, list[int]] = {}
+        for hd in HEAD_DIM_BUCKETS:
+            try:
+                policy = choose_forward(Call(dtype, hd, arch, smem, tf32, force_portable())).spec.policy
+            except NoKernelError:
+                continue
+            dims.setdefault(policy, []).append(hd)
+        first, *others = sorted(dims, key=lambda policy: -len(dims[policy]))
+        paths[label] = f"{first}: {POLICY_DESCRIPTIONS[first]}" + "".join(
+            f"; forward at head dims {'/'.join(map(str, dims[p]))}: {p}: {POLICY_DESCRIPTIONS[p]}" for p in others)
     return paths
 
 

@@ -5,7 +5,7 @@
 //   keep(i, j) = word (j & 3) of Philox(counter, key) >= threshold.
 #pragma once
 
-#include "flash_params.cuh"
+#include "params.cuh"
 
 
 namespace flash {

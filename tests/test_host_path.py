@@ -180,6 +180,16 @@ def test_dropout_check_cache_keys_on_types() -> None:
 # --------------------------------------------------------------------------- kernel selection
 
 
+def _uncached_forward(dtype, d, dv, arch, smem, tf32, portable, full):
+    return S.choose_forward.__wrapped__(S.Call(dtype, S.head_dim_bucket(max(d, dv)), arch, smem, tf32, portable,
+                                               full)).spec
+
+
+def _uncached_backward(dtype, d, dv, arch, smem, tf32, portable, deterministic, full):
+    return S.choose_backward.__wrapped__(S.Call(dtype, S.head_dim_bucket(max(d, dv)), arch, smem, tf32, portable,
+                                                full, deterministic)).spec
+
+
 def test_kernel_selection_cache_matches_uncached_and_follows_the_portable_switch(monkeypatch) -> None:
     monkeypatch.delenv(S.FORCE_PORTABLE_ENV, raising=False)
     for arch, smem in S.ARCH_SMEM.items():
@@ -187,8 +197,8 @@ def test_kernel_selection_cache_matches_uncached_and_follows_the_portable_switch
             for d in (1, 64, 111, 256, 512):
                 for tf32, portable, full, deterministic in ((False, False, False, False), (True, True, True, True)):
                     for cached, uncached, extra in (
-                        (S.select_forward, S._select_forward.__wrapped__, (full,)),
-                        (S.select_backward, S._select_backward.__wrapped__, (deterministic, full)),
+                        (S.select_forward, _uncached_forward, (full,)),
+                        (S.select_backward, _uncached_backward, (deterministic, full)),
                     ):
                         try:
                             want = uncached(dtype, d, d, arch, smem, tf32, portable, *extra)
@@ -316,7 +326,9 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
         assert spec.smem_bytes == 1024 + 2 * (spec.block_m * spec.head_dim
                                               + spec.stages * spec.block_n * (spec.head_dim + spec.dv_tile))
         assert spec.smem_bytes <= S.ARCH_SMEM[90]
-        assert "flash::MmaWgmma<" in spec.name_expression
+        assert spec.name_expression.startswith("flash::flash_fwd<flash::FwdOverlap<" if spec.mainloop == "FwdOverlap"
+                                               else "flash::flash_fwd<flash::FwdSerial<__")
+        assert spec.mainloop == "FwdOverlap" or "flash::MmaWgmma<" in spec.name_expression
     for d, arch in ((32, 90), (96, 90), (512, 90), (64, 80), (128, 80), (128, 86), (128, 89)):
         assert S.select_forward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full).policy == "mma16"
     assert S.select_forward("float32", 128, 128, 90, S.ARCH_SMEM[90]).policy == "tf32x3"
@@ -344,7 +356,8 @@ def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype)
     for d in (65, 80, 96, 97, 128):
         spec = S.select_backward(dtype, d, d, 90, smem, full=False)
         assert spec.roles == 2 and spec.kv_chunk == spec.head_dim and spec.fused_dq and spec.threads == 256
-        assert f", {spec.head_dim}, {spec.head_dim}, 64, " in spec.dkdv_name and spec.dkdv_name.endswith(", 2>")
+        assert spec.dkdv_name.startswith("flash::flash_bwd_dkdv<flash::BwdSplitRoles<")
+        assert f", {spec.head_dim}, 64, {spec.block_c}, {spec.stages}>, flash::PlainScores, " in spec.dkdv_name
         assert spec.presplit == (dtype == "float32") and spec.stages == (1 if spec.presplit else 2)
         one = dataclasses.replace(spec, roles=1)
         tiles = (2 * spec.block_r + 2 * spec.stages * spec.block_c) * (spec.head_dim + 4) * spec.itemsize
@@ -369,7 +382,7 @@ def test_tf32x3_wgmma_forward_only_for_plain_float32_at_128_on_sm90() -> None:
     for d, dv in ((97, 97), (128, 128), (64, 128), (128, 1)):
         spec = S.select_forward("float32", d, dv, 90, smem, full=False)
         assert spec.policy == "wgmma_tf32x3" and spec.name_expression == (
-            "flash::flash_fwd<float, flash::MmaWgmmaTf32x3, 128, 128, 32, 4, false, 2>")
+            f"flash::flash_fwd<flash::FwdProducerConsumer<128, 128, 32>, flash::PlainScores, {spec.smem_bytes}, 256>")
         assert (spec.block_m, spec.threads) == (64, 256)
         # Q hi and lo (64, 128); per stage K hi and lo (32, 128), V^T hi and lo (128, 32), V (32, 128)
         assert spec.smem_bytes == 4 * (2 * 64 * 128 + 2 * (2 * 32 * 128 + 3 * 32 * 128)) + 1024 <= smem
@@ -396,7 +409,7 @@ def test_hopper_backward_takes_wgmma_only_without_options(dtype) -> None:
         tiles = (2 * spec.block_r + 2 * spec.stages * spec.block_c) * spec.head_dim + spec.block_r * spec.block_c
         assert spec.dkdv_smem_bytes == 1024 + 2 * tiles + spec.stages * 2 * spec.block_c * 4 <= smem
         assert spec.stages == (1 if spec.head_dim == 256 else 2)
-        assert "flash::MmaWgmma<" in spec.dkdv_name
+        assert spec.dkdv_name.startswith(f"flash::flash_bwd_dkdv<flash::BwdWgmma<{S.CXX_TYPE[dtype]}, ")
     for d, arch, full, deterministic in ((32, 90, False, False), (512, 90, False, False), (128, 90, True, False),
                                          (128, 90, False, True), (128, 80, False, False), (64, 89, False, False)):
         spec = S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full, deterministic=deterministic)

@@ -19,7 +19,7 @@ from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
 from .compile import forward_function, get_function
-from .spec import ROW_PASS_ROWS, backward_key_block_major, needs_full, select_backward, select_forward
+from .spec import ROW_PASS_ROWS, ROW_PASS_THREADS, backward_key_block_major, needs_full, select_backward, select_forward
 
 #: Fill outputs with NaN before each launch (tests set it) so unwritten elements show.
 poison_outputs = False
@@ -328,7 +328,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         row_grid = _grid(-(-pb.seqlen_q // ROW_PASS_ROWS), heads)  # flash_bwd_delta and the dQ converter
         (delta_name, _), (dkdv_name, dkdv_smem), (dq_name, dq_smem) = spec.kernels
         if heads and pb.seqlen_q:
-            get_function("backward", delta_name, device_id)(row_grid, (128,), (bparams,))
+            get_function("backward", delta_name, device_id)(row_grid, (ROW_PASS_THREADS,), (bparams,))
         if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros
             chunks = -(-max(pb.head_dim, pb.head_dim_v) // spec.kv_chunk)
             get_function("backward", dkdv_name, device_id, dkdv_smem)(
@@ -338,7 +338,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             dq_grid = row_grid if spec.fused_dq else _grid(
                 -(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.dq_chunk), heads)
             get_function("backward", dq_name, device_id, dq_smem)(
-                dq_grid, (128,) if spec.fused_dq else (spec.dq_threads,), (bparams,), shared_mem=dq_smem)
+                dq_grid, (ROW_PASS_THREADS,) if spec.fused_dq else (spec.dq_threads,), (bparams,), shared_mem=dq_smem)
         dbias = finish_dbias() if finish_dbias is not None else None
         del keep_alive
     return dq, dk, dv, dbias

@@ -71,8 +71,9 @@ def kernel_dir() -> Path:
 def source_hash() -> str:
     """Hash of every kernel source and header: part of the compile options."""
     digest = hashlib.sha256()
-    for path in sorted(kernel_dir().glob("*.cu*")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = kernel_dir()
+    for path in sorted(root.rglob("*.cu*")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -1,10 +1,22 @@
 """Kernel choice and tile sizes for the CUDA backend: the only place they are decided.
 
-A :class:`KernelSpec` names one template instantiation of ``flash::flash_fwd``
-(``kernels_cu/flash_fwd.cu``). :func:`select_forward` picks it from the dtype,
-the head dims, the GPU's compute capability and its shared-memory limit;
-:func:`all_forward_specs` lists every spec it can return for an architecture,
-which CI compiles.
+Kernel choice is two ordered rule tables, :data:`FORWARD_RULES` and :data:`BACKWARD_RULES`.
+A rule has a name, a condition on the call (:class:`Call`: dtype, padded head dim, compute
+capability, options, determinism), the pipeline it builds (product policy, mainloop, chunks)
+and its tile candidates in order of preference. The first rule whose condition holds is
+tried: its first candidate that fits the GPU's shared memory wins; a rule marked
+``fallback`` hands a call none of its candidates fits to the rules after it. Every choice
+compiles without register spills (tests/test_kernels_compile.py checks each architecture);
+each rule's ``why`` says what it is for, and bench/NOTES.md holds the figures behind the
+choices. :func:`explain_forward` and :func:`explain_backward` say which rule fired and which
+candidates did not fit (``python -m flashcupy explain``).
+
+A :class:`KernelSpec` names one instantiation of ``flash::flash_fwd``
+(``kernels_cu/flash_fwd.cu``): mainloop, score modifiers, shared memory and threads, which
+the kernel checks at compile time against its own. A :class:`BackwardSpec` names the
+backward's three launches (``kernels_cu/flash_bwd.cu``). :func:`all_forward_specs` and
+:func:`all_backward_specs` list every spec the tables can return for an architecture, which
+CI compiles.
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -22,60 +35,39 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 256, 512)
 #: C++ element type per dtype name.
 CXX_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 
-#: Per policy: the C++ policy for (element type, 16-row groups per warp), the row groups per
-#: warp of the plain kernels (the full pipeline's registers leave room for one), the widest
-#: Dv chunk one block keeps in registers (for full pipeline or not), and (BLOCK_N,
-#: NUM_WARPS) candidates for (padded head dim, full pipeline, compute capability) in order
-#: of preference: the first that fits the GPU's shared memory wins. Every choice compiles
-#: without register spills (tests/test_kernels_compile.py checks each architecture).
-POLICIES = {
-    # Two row groups per warp (plain kernels): O (32, DV) and S (32, BLOCK_N) share the
-    # register file, so wide heads take narrow key tiles (32 keys at D=128 fits sm_90's
-    # allocation, not sm_8x's).
-    "mma16": (lambda t, mi: f"flash::MmaF16<{t}, {mi}>", 2, lambda full: 128,
-              lambda hd, full, arch: ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1)) if hd <= 64 or (full and hd <= 128)
-              else ((32, 4), (16, 4), (16, 2), (16, 1)) if hd <= 96 or full or (hd <= 128 and arch >= 90)
-              else ((16, 4), (16, 2), (16, 1))),
-    # Hopper (sm_90a): wgmma per warpgroup, 64 rows each; K and V fragments never enter
-    # registers, so S and O of 128 columns each fit beside P and the next tile's S. Plain
-    # kernels keep a 256-wide O (no second pass over Q K^T at D = 256); with the full
-    # pipeline that spills. Up to D = 128, plain kernels take one warpgroup and 64-key tiles:
-    # two or three blocks share an SM and hide each other's prologue, epilogue and softmax
-    # (H200, D = 64: 0.88-1.06x FA2 against 0.61-0.97x with 128 keys x 8 warps; bench/NOTES.md).
-    "wgmma": (lambda t, mi: f"flash::MmaWgmma<{t}>", 1, lambda full: 128 if full else 256,
-              lambda hd, full, arch: ((64, 4), (128, 8)) if hd <= 128 and not full else ((64, 8), (64, 4))),
-    # float32: allow_tf32 rounds each operand to TF32 once; by default (float32 accuracy) each
-    # product is three TF32 products of the operands' high and low parts (3xTF32). One row
-    # group per warp: two spill beside the split fragments; 64-key tiles only where they fit
-    # (plain kernels at D <= 64: 1.5x SDPA-efficient against 1.4x with 32 on the H200).
-    "tf32": (lambda t, mi: f"flash::MmaTf32<false, {mi}>", 1, lambda full: 128,
-             lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
-    "tf32x3": (lambda t, mi: f"flash::MmaTf32<true, {mi}>", 1, lambda full: 128,
-               lambda hd, full, arch: ((64, 4),) * (hd <= 64 and not full) + ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
-    # float64: 16-key tiles keep S small enough that a 128-wide O chunk stays in registers;
-    # the plain kernel at D <= 64 affords 32. Up to D = 128, 8 warps (128 rows) a block halve
-    # the K and V each product reads from L2 (H200, D = 128: 1.6x SDPA-math at L = 4096
-    # against 1.45x with 4 warps; bench/NOTES.md).
-    "dmma": (lambda t, mi: "flash::MmaF64", 1, lambda full: 128,
-             lambda hd, full, arch: ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)) if hd <= 64 and not full
-             else ((16, 8),) * (hd <= 128) + ((16, 4), (16, 2), (16, 1), (8, 1))),
-    # Hopper (sm_90a), float32 at float32 accuracy without score options: 3xTF32 on wgmma, one
-    # consumer warpgroup of 64 rows (S, P's split fragments, O and a per-tile P V sum: 217
-    # registers at D = 128) fed by a producer warpgroup (PRODUCER_WARPS) that copies and
-    # splits the operands, 32-key tiles; the split hi and lo tiles fill shared memory, one
-    # block an SM. Tried before the plain tf32x3 kernel, at the padded head dims
-    # WGMMA_TF32_HEAD_DIMS.
-    "wgmma_tf32x3": (lambda t, mi: "flash::MmaWgmmaTf32x3", 1, lambda full: 128, lambda hd, full, arch: ((32, 4),)),
-    "simt": (lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>", 1, lambda full: 64,
-             lambda hd, full, arch: ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))),
+#: The C++ product policy (kernels_cu/mma/) of each policy name, for an element type and
+#: 16-row groups per warp.
+POLICIES: dict[str, Callable[[str, int], str]] = {
+    "mma16": lambda t, mi: f"flash::MmaF16<{t}, {mi}>",
+    "wgmma": lambda t, mi: f"flash::MmaWgmma<{t}>",
+    "tf32": lambda t, mi: f"flash::MmaTf32<false, {mi}>",
+    "tf32x3": lambda t, mi: f"flash::MmaTf32<true, {mi}>",
+    "dmma": lambda t, mi: "flash::MmaF64",
+    "wgmma_tf32x3": lambda t, mi: "flash::MmaWgmmaTf32x3",
+    "simt": lambda t, mi: f"flash::Simt<{t}, {'double' if t == 'double' else 'float'}>",
 }
 
-#: Warps per block beside the computing ones: wgmma_tf32x3's producer warpgroup loads and
-#: splits the operands (flash_fwd.cu's produce_tf32x3).
+#: Warps per block beside the computing ones: the producer-consumer mainloop's producer
+#: warpgroup loads and splits the operands.
 PRODUCER_WARPS = {"wgmma_tf32x3": 4}
 
 #: Environment variable forcing the portable (SIMT) kernels, as on GPUs before sm_80.
 FORCE_PORTABLE_ENV = "FLASHCUPY_FORCE_PORTABLE"
+
+#: Padded head dims the wgmma forward and backward take (whole 64-column slabs of 128-byte
+#: swizzled rows), and those of the 3xTF32 wgmma forward (its producer's thread layout needs
+#: 128 threads to divide the copied rows' chunks: 96 keeps mma.sync).
+WGMMA_HEAD_DIMS = (64, 128, 256)
+WGMMA_BACKWARD_HEAD_DIMS = (64, 128, 256)
+WGMMA_TF32_HEAD_DIMS = (128,)
+
+#: Opt-in shared memory per block (bytes) of each architecture CI compiles for.
+ARCH_SMEM = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+#: Threads and query rows per block of the backward's row passes (flash_bwd_delta,
+#: flash_bwd_dq_convert), 8 lanes a row (flash_bwd.cu's ROW_LANES checks the pair).
+ROW_PASS_THREADS = 128
+ROW_PASS_ROWS = 16
 
 
 class NoKernelError(RuntimeError):
@@ -92,13 +84,13 @@ class KernelSpec:
     dv_tile: int     # DV: output columns per block
     block_n: int     # keys per tile
     num_warps: int   # warps per block; BLOCK_M = 16 * MI * num_warps
-    full: bool = True  # compiled with bias, ALiBi, softcap, masks and dropout
+    full: bool = True  # FullScores: bias, ALiBi, softcap, masks and dropout (else PlainScores)
     stages: int = 1    # shared-memory stages of K and V
+    mi: int = 1        # 16-row groups per warp
 
     @property
     def rows_per_warp(self) -> int:
-        """16 * MI; the full pipeline's registers leave room for one row group only."""
-        return 16 * (1 if self.full else POLICIES[self.policy][1])
+        return 16 * self.mi
 
     @property
     def block_m(self) -> int:
@@ -113,13 +105,30 @@ class KernelSpec:
     def itemsize(self) -> int:
         return np.dtype(self.dtype if self.dtype != "bfloat16" else "float16").itemsize
 
+    @property
+    def mainloop(self) -> str:
+        """The forward mainloop (kernels_cu/mainloop/fwd_*.cuh): the producer-consumer pipeline
+        for wgmma_tf32x3, the overlapped one for wgmma (but beside the full score pipeline at
+        head dims above 128, where its second score buffer spills), else the serial one."""
+        if self.policy == "wgmma_tf32x3":
+            return "FwdProducerConsumer"
+        if self.policy == "wgmma" and not (self.full and self.head_dim > 128):
+            return "FwdOverlap"
+        return "FwdSerial"
+
     @functools.cached_property
     def name_expression(self) -> str:
         t = CXX_TYPE[self.dtype]
-        policy = POLICIES[self.policy][0](t, self.rows_per_warp // 16)
-        full = "true" if self.full else "false"
-        return (f"flash::flash_fwd<{t}, {policy}, {self.head_dim}, {self.dv_tile}, {self.block_n}, "
-                f"{self.num_warps}, {full}, {self.stages}>")
+        tiles = f"{self.head_dim}, {self.dv_tile}, {self.block_n}"
+        if self.mainloop == "FwdProducerConsumer":
+            mainloop = f"flash::FwdProducerConsumer<{tiles}>"
+        elif self.mainloop == "FwdOverlap":
+            mainloop = f"flash::FwdOverlap<{t}, {tiles}, {self.num_warps}>"
+        else:
+            policy = POLICIES[self.policy](t, self.mi)
+            mainloop = f"flash::FwdSerial<{t}, {policy}, {tiles}, {self.num_warps}, {self.stages}>"
+        scores = "flash::FullScores" if self.full else "flash::PlainScores"
+        return f"flash::flash_fwd<{mainloop}, {scores}, {self.smem_bytes}, {self.threads}>"
 
     @functools.cached_property
     def smem_bytes(self) -> int:
@@ -134,110 +143,6 @@ class KernelSpec:
         kv = self.stages * self.block_n
         elems = (self.block_m + kv) * (self.head_dim + pad) + kv * (self.dv_tile + pad)
         return elems * self.itemsize + slack
-
-
-def head_dim_bucket(dim: int) -> int:
-    """The smallest bucket >= dim."""
-    for bucket in HEAD_DIM_BUCKETS:
-        if dim <= bucket:
-            return bucket
-    raise ValueError(f"head dim {dim} exceeds the largest kernel bucket {HEAD_DIM_BUCKETS[-1]}")
-
-
-def policy_for(dtype: str, arch: int, allow_tf32: bool, portable: bool) -> str:
-    """Which warp product: tensor cores on sm_80+ (float32 as three TF32 products per
-    product unless one is allowed), else SIMT."""
-    if portable or arch < 80:
-        return "simt"
-    return {"float16": "mma16", "bfloat16": "mma16", "float64": "dmma"}.get(
-        dtype, "tf32" if allow_tf32 else "tf32x3"
-    )
-
-
-#: Padded head dims the wgmma forward takes (whole 64-column slabs of 128-byte swizzled
-#: rows). Since the products overlap the softmax, 64 is faster on wgmma too (H200, L = 4096:
-#: 0.90x FA2 against mma.sync's 0.81x): see bench/NOTES.md.
-WGMMA_HEAD_DIMS = (64, 128, 256)
-
-
-#: Padded head dims the 3xTF32 wgmma forward takes (plain kernels on sm_90; H100: 1.82-1.91x
-#: SDPA-efficient at 128, against 1.26-1.30x before its producer warpgroup; bench/NOTES.md).
-#: 96 keeps mma.sync: the producer's thread layout needs 128 threads to divide the copied
-#: rows' chunks.
-WGMMA_TF32_HEAD_DIMS = (128,)
-
-
-#: Padded head dims the wgmma backward takes (without options, dQ fused): dK, dV, S^T, dP^T
-#: and a dQ tile of 128 columns at most stay in registers.
-WGMMA_BACKWARD_HEAD_DIMS = (64, 128, 256)
-
-
-def forward_policy(dtype: str, hd: int, arch: int, allow_tf32: bool, portable: bool) -> str:
-    """:func:`policy_for`, with float16/bfloat16 on sm_90 (wgmma needs sm_90a, which
-    only compute capability 9.0 has) taking warpgroup products where the head dim allows."""
-    policy = policy_for(dtype, arch, allow_tf32, portable)
-    return "wgmma" if policy == "mma16" and arch == 90 and hd in WGMMA_HEAD_DIMS else policy
-
-
-def arch_flag(arch: int) -> str:
-    """NVRTC's -arch value for sm_``arch``: sm_90a on 9.0, for wgmma (a superset of sm_90)."""
-    return f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
-
-
-def force_portable() -> bool:
-    """True when FLASHCUPY_FORCE_PORTABLE is set to 1 (tests use it to run the sm_60-75 path)."""
-    return os.environ.get(FORCE_PORTABLE_ENV, "0") == "1"
-
-
-def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
-                   portable: bool | None = None, full: bool = True) -> KernelSpec:
-    """The forward kernel for this problem on a GPU of compute capability ``arch`` (e.g. 90).
-
-    ``smem_limit`` is the device's opt-in shared memory per block in bytes; ``full``:
-    some option beyond causal, window and lengths is in use (see :func:`needs_full`). Raises
-    RuntimeError when no tile shape fits (float64 with D > 256 on 99 KB GPUs).
-    """
-    return _select_forward(dtype, d, dv, arch, smem_limit, allow_tf32,
-                           force_portable() if portable is None else portable, full)
-
-
-@functools.lru_cache(maxsize=4096)
-def _select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool,
-                    full: bool) -> KernelSpec:
-    """:func:`select_forward` with ``portable`` decided, computed once per distinct arguments."""
-    hd = head_dim_bucket(max(d, dv))
-    policy = forward_policy(dtype, hd, arch, allow_tf32, portable)
-    if policy == "tf32x3" and arch == 90 and hd in WGMMA_TF32_HEAD_DIMS and not full:
-        _, _, dv_cap, candidates = POLICIES["wgmma_tf32x3"]
-        for block_n, warps in candidates(hd, full, arch):
-            spec = KernelSpec(dtype, "wgmma_tf32x3", hd, min(hd, dv_cap(full)), block_n, warps, False, 2)
-            if spec.smem_bytes <= smem_limit:
-                return spec
-    _, _, dv_cap, candidates = POLICIES[policy]
-    dv_tile = min(hd, dv_cap(full))
-    for block_n, warps in candidates(hd, full, arch):
-        # A second K/V stage hides copies behind a whole tile of compute; wider heads would
-        # pay for it in blocks per SM (measured on the H200: see bench/NOTES.md).
-        # wgmma, with no register fragments of K and V, affords the second stage wherever it fits.
-        spec = KernelSpec(dtype, policy, hd, dv_tile, block_n, warps, full, 2 if hd <= 64 else 1)
-        if policy == "wgmma" and dataclasses.replace(spec, stages=2).smem_bytes <= smem_limit:
-            spec = dataclasses.replace(spec, stages=2)
-        if spec.smem_bytes <= smem_limit:
-            return spec
-    raise NoKernelError(
-        f"no {dtype} kernel for head dims ({d}, {dv}) fits this GPU's {smem_limit // 1024} KiB of shared "
-        f"memory per block (it needs {spec.smem_bytes // 1024} KiB); use backend='cpu'"
-    )
-
-
-def needs_full(bias: bool, mask: bool, block_mask: bool, alibi: bool, softcap: bool, dropout: bool) -> bool:
-    """Whether a call needs the full score pipeline (anything beyond causal, window, lengths)."""
-    return bias or mask or block_mask or alibi or softcap or dropout
-
-
-#: Query rows per 128-thread block of the backward's row passes (flash_bwd_delta,
-#: flash_bwd_dq_convert): flash_bwd.cu's ROW_PASS_ROWS, 8 lanes a row.
-ROW_PASS_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -281,38 +186,61 @@ class BackwardSpec:
     def acc_itemsize(self) -> int:
         return 8 if self.dtype == "float64" else 4
 
-    def _kernel(self, name: str, chunk: int, *extra: str, mi: int = 1) -> str:
-        t = CXX_TYPE[self.dtype]
-        policy = POLICIES[self.policy][0](t, mi)
-        return f"flash::{name}<{', '.join((t, policy, str(self.head_dim), str(chunk), str(self.block_r), str(self.block_c)) + extra)}>"
-
-    def _acc_kernel(self, name: str, *extra: str) -> str:
-        t = CXX_TYPE[self.dtype]
-        return f"flash::{name}<{', '.join((t, 'double' if t == 'double' else 'float', *extra))}>"
+    @property
+    def dq_accum(self) -> int:
+        """What dQ's accumulator holds (kernels_cu/mainloop/bwd_common.cuh's DqAccum): 0 no
+        accumulator (dQ has its own kernel), 1 dQ / scale (the converter scales it), 2 dQ itself."""
+        return 0 if not self.fused_dq else 2 if self.dq_accum_scaled else 1
 
     @property
     def dq_accum_scaled(self) -> bool:
         """Whether the fused dQ's accumulator holds dQ itself, not dQ / scale: float64 and
-        float32 up to a head dim of 64 (flash_bwd.cu's kDqAccumScaled), and split roles, whose
-        dS carries the scale (kScaledDs)."""
+        float32 up to a head dim of 64 (the atomics multiply by the scale; above 64 that costs
+        float32 more than the conversion pass), and split roles, whose dS carries the scale."""
         return self.dtype == "float64" or (self.dtype == "float32" and self.head_dim <= 64) or self.roles == 2
 
     @property
+    def mainloop(self) -> str:
+        """The dK/dV mainloop (kernels_cu/mainloop/bwd_*.cuh)."""
+        if self.policy == "wgmma":
+            return "BwdWgmma"
+        return "BwdSplitRoles" if self.roles == 2 else "BwdWarp"
+
+    def _policy(self, mi: int = 1) -> str:
+        return POLICIES[self.policy](CXX_TYPE[self.dtype], mi)
+
+    def _row_pass(self, name: str, *extra: str) -> str:
+        t = CXX_TYPE[self.dtype]
+        acc = "double" if t == "double" else "float"
+        return f"flash::{name}<{', '.join((t, acc, *extra, str(ROW_PASS_THREADS), str(ROW_PASS_ROWS)))}>"
+
+    @property
     def delta_name(self) -> str:
-        return self._acc_kernel("flash_bwd_delta")
+        return self._row_pass("flash_bwd_delta")
 
     @property
     def dq_name(self) -> str:
         """The kernel that writes dQ: the converter when fused, else the query-major kernel."""
         if self.fused_dq:
-            return self._acc_kernel("flash_bwd_dq_convert", "true" if self.dq_accum_scaled else "false")
-        return self._kernel("flash_bwd_dq", self.dq_chunk)
+            return self._row_pass("flash_bwd_dq_convert", "true" if self.dq_accum_scaled else "false")
+        t = CXX_TYPE[self.dtype]
+        return (f"flash::flash_bwd_dq<{t}, {self._policy()}, {self.head_dim}, {self.dq_chunk}, {self.block_r}, "
+                f"{self.block_c}, {self.dq_smem_bytes}, {self.dq_threads}>")
 
     @property
     def dkdv_name(self) -> str:
-        flag = {True: "true", False: "false"}
-        return self._kernel("flash_bwd_dkdv", self.kv_chunk, flag[self.fused_dq], str(self.stages), flag[self.full],
-                            str(self.roles), mi=self.mi)
+        t = CXX_TYPE[self.dtype]
+        if self.mainloop == "BwdWgmma":
+            mainloop = (f"flash::BwdWgmma<{t}, {self.head_dim}, {self.kv_chunk}, {self.block_r}, {self.block_c}, "
+                        f"{self.dq_accum}, {self.stages}>")
+        elif self.mainloop == "BwdSplitRoles":
+            mainloop = (f"flash::BwdSplitRoles<{t}, {self._policy()}, {self.head_dim}, {self.block_r}, "
+                        f"{self.block_c}, {self.stages}>")
+        else:
+            mainloop = (f"flash::BwdWarp<{t}, {self._policy(self.mi)}, {self.head_dim}, {self.kv_chunk}, "
+                        f"{self.block_r}, {self.block_c}, {self.dq_accum}, {self.stages}>")
+        scores = "flash::FullScores" if self.full else "flash::PlainScores"
+        return f"flash::flash_bwd_dkdv<{mainloop}, {scores}, {self.dkdv_smem_bytes}, {self.threads}>"
 
     def _row_bytes(self) -> int:
         return (self.head_dim + 16 // self.itemsize) * self.itemsize  # rows padded by 16 bytes
@@ -356,142 +284,391 @@ class BackwardSpec:
         return ((self.delta_name, 0), (self.dkdv_name, self.dkdv_smem_bytes), (self.dq_name, self.dq_smem_bytes))
 
 
+def head_dim_bucket(dim: int) -> int:
+    """The smallest bucket >= dim."""
+    for bucket in HEAD_DIM_BUCKETS:
+        if dim <= bucket:
+            return bucket
+    raise ValueError(f"head dim {dim} exceeds the largest kernel bucket {HEAD_DIM_BUCKETS[-1]}")
+
+
+def arch_flag(arch: int) -> str:
+    """NVRTC's -arch value for sm_``arch``: sm_90a on 9.0, for wgmma (a superset of sm_90)."""
+    return f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+
+
+def force_portable() -> bool:
+    """True when FLASHCUPY_FORCE_PORTABLE is set to 1 (tests use it to run the sm_60-75 path)."""
+    return os.environ.get(FORCE_PORTABLE_ENV, "0") == "1"
+
+
+def needs_full(bias: bool, mask: bool, block_mask: bool, alibi: bool, softcap: bool, dropout: bool) -> bool:
+    """Whether a call needs FullScores (anything beyond causal, window and lengths)."""
+    return bias or mask or block_mask or alibi or softcap or dropout
+
+
+@dataclass(frozen=True)
+class Call:
+    """What kernel choice depends on: the dtype, the padded head dim ``hd`` (the bucket of
+    max(D, Dv)), the compute capability (e.g. 90) and its opt-in shared memory per block,
+    and the options."""
+
+    dtype: str
+    hd: int
+    arch: int
+    smem_limit: int
+    allow_tf32: bool = False
+    portable: bool = False    # FLASHCUPY_FORCE_PORTABLE: the SIMT kernels whatever the GPU
+    full: bool = False        # FullScores: some option beyond causal, window and lengths
+    deterministic: bool = False
+
+    @property
+    def simt(self) -> bool:
+        """No tensor-core kernel: forced, or a GPU before sm_80."""
+        return self.portable or self.arch < 80
+
+    @property
+    def f16(self) -> bool:
+        return self.dtype in ("float16", "bfloat16") and not self.simt
+
+    @property
+    def f64(self) -> bool:
+        return self.dtype == "float64" and not self.simt
+
+    @property
+    def x3(self) -> bool:
+        """float32 at float32 accuracy: three TF32 products per product (3xTF32)."""
+        return self.dtype == "float32" and not self.allow_tf32 and not self.simt
+
+    @property
+    def tf32(self) -> bool:
+        """float32 with allow_tf32: one TF32 product per product."""
+        return self.dtype == "float32" and self.allow_tf32 and not self.simt
+
+    @property
+    def hopper(self) -> bool:
+        """sm_90a's warpgroup products (compute capability 9.0 only)."""
+        return self.arch == 90 and not self.simt
+
+
+# ----------------------------------------------------------------------------- forward rules
+
+
+@dataclass(frozen=True)
+class ForwardRule:
+    """Forward kernels for the calls ``when`` accepts: the product ``policy`` with ``mi_plain``
+    16-row groups per warp with PlainScores (FullScores' registers leave room for one), a Dv chunk of at most ``dv_cap`` columns, and (BLOCK_N,
+    NUM_WARPS) ``tiles`` in order of preference, with ``stages`` shared-memory stages of K
+    and V (0: two up to a padded head dim of 64, one above; wgmma: two wherever they fit)."""
+
+    name: str
+    when: Callable[[Call], bool]
+    policy: str
+    tiles: tuple[tuple[int, int], ...]
+    why: str
+    mi_plain: int = 1
+    dv_cap: int = 128
+    stages: int = 0
+    fallback: bool = False
+
+    def candidates(self, call: Call) -> list[KernelSpec]:
+        dv_tile = min(call.hd, self.dv_cap)
+        out = []
+        for block_n, warps in self.tiles:
+            stages = self.stages or (2 if call.hd <= 64 else 1)
+            mi = 1 if call.full else self.mi_plain
+            spec = KernelSpec(call.dtype, self.policy, call.hd, dv_tile, block_n, warps, call.full, stages, mi)
+            if self.policy == "wgmma" and dataclasses.replace(spec, stages=2).smem_bytes <= call.smem_limit:
+                spec = dataclasses.replace(spec, stages=2)
+            out.append(spec)
+        return out
+
+
+_F16_NARROW = ((64, 4), (32, 4), (32, 2), (16, 2), (16, 1))
+_SMALL = ((32, 4), (32, 2), (16, 2), (16, 1), (8, 1))
+
+#: The forward's rules, in order (see the module docstring).
+FORWARD_RULES: tuple[ForwardRule, ...] = (
+    ForwardRule("portable", lambda c: c.simt, "simt", _SMALL, dv_cap=64,
+                why="no tensor cores (before sm_80, or FLASHCUPY_FORCE_PORTABLE=1): FMA products on any GPU"),
+    ForwardRule("3xtf32-producer-consumer",
+                lambda c: c.x3 and c.hopper and c.hd in WGMMA_TF32_HEAD_DIMS and not c.full,
+                "wgmma_tf32x3", ((32, 4),), stages=2, fallback=True,
+                why="float32 on Hopper's TF32 warpgroup products, a producer warpgroup splitting the operands "
+                    "into hi and lo tiles for one consumer warpgroup (bench/NOTES.md, 'Forward float32: "
+                    "TF32 wgmma with a producer warpgroup')"),
+    ForwardRule("wgmma16-overlap", lambda c: c.f16 and c.hopper and c.hd in (64, 128) and not c.full,
+                "wgmma", ((64, 4), (128, 8)), dv_cap=256,
+                why="Hopper's warpgroup products with the softmax overlapped; one warpgroup and 64-key tiles, "
+                    "so two or three blocks share an SM (bench/NOTES.md, 'Forward 16-bit: one warpgroup and "
+                    "64-key tiles up to D = 128')"),
+    ForwardRule("wgmma16-256", lambda c: c.f16 and c.hopper and c.hd == 256 and not c.full, "wgmma",
+                ((64, 8), (64, 4)), dv_cap=256,
+                why="Hopper's warpgroup products at D = 256: two warpgroups a block and a 256-wide O, so Q K^T "
+                    "is not taken twice (bench/NOTES.md, 'Forward 16-bit: one 256-wide O at D = 256')"),
+    ForwardRule("wgmma16-full", lambda c: c.f16 and c.hopper and c.hd in WGMMA_HEAD_DIMS, "wgmma", ((64, 8), (64, 4)),
+                why="Hopper's warpgroup products with FullScores: a 128-wide O chunk (a wider one spills beside "
+                    "the full score pipeline)"),
+    ForwardRule("mma16-narrow", lambda c: c.f16 and (c.hd <= 64 or (c.full and c.hd <= 128)), "mma16", _F16_NARROW,
+                mi_plain=2, why="mma.sync; two row groups per warp in plain kernels, so each K and V fragment feeds two products "
+                    "(bench/NOTES.md, 'Forward mma.sync: row groups, key tiles and stages')"),
+    ForwardRule("mma16", lambda c: c.f16 and (c.hd <= 96 or c.full or (c.hd <= 128 and c.arch >= 90)), "mma16",
+                ((32, 4), (16, 4), (16, 2), (16, 1)), mi_plain=2,
+                why="mma.sync with narrower key tiles: O (32, D) and S (32, BLOCK_N) share the register file "
+                    "(32 keys at D = 128 fit sm_90's allocation, not sm_8x's)"),
+    ForwardRule("mma16-wide", lambda c: c.f16, "mma16", ((16, 4), (16, 2), (16, 1)), mi_plain=2,
+                why="mma.sync at wide heads: 16-key tiles keep O in registers"),
+    ForwardRule("tf32", lambda c: c.tf32, "tf32", _SMALL,
+                why="allow_tf32: one TF32 product per product, one row group per warp"),
+    ForwardRule("3xtf32-64-keys", lambda c: c.x3 and c.hd <= 64 and not c.full, "tf32x3", ((64, 4),) + _SMALL,
+                why="3xTF32 on mma.sync; 64-key tiles where they fit (bench/NOTES.md, 'Forward float32: 3xTF32 "
+                    "on mma.sync')"),
+    ForwardRule("3xtf32", lambda c: c.x3, "tf32x3", _SMALL,
+                why="3xTF32 on mma.sync: one row group per warp, as two spill beside the split fragments"),
+    ForwardRule("dmma-32-keys", lambda c: c.f64 and c.hd <= 64 and not c.full, "dmma",
+                ((32, 4), (16, 4), (16, 2), (16, 1), (8, 1)),
+                why="float64 DMMA; the plain kernel at D <= 64 affords 32-key tiles"),
+    ForwardRule("dmma-8-warps", lambda c: c.f64 and c.hd <= 128, "dmma", ((16, 8), (16, 4), (16, 2), (16, 1), (8, 1)),
+                why="float64 DMMA, 16-key tiles so a 128-wide O stays in registers; 8 warps a block halve the K "
+                    "and V each product reads from L2 (bench/NOTES.md, 'Forward float64: DMMA shapes and 8 warps')"),
+    ForwardRule("dmma-wide", lambda c: c.f64, "dmma", ((16, 4), (16, 2), (16, 1), (8, 1)),
+                why="float64 DMMA at wide heads"),
+)
+
+
+# ----------------------------------------------------------------------------- backward rules
+
+#: A backward tile: (block_r, block_c, 16-key groups per warp of the dK/dV kernel), or with a
+#: fourth element True where the tile is taken only with two stages of the streamed tiles.
+BwdTile = tuple
+
+
+@dataclass(frozen=True)
+class BackwardRule:
+    """Backward kernels for the calls ``when`` accepts: the product ``policy``, ``roles``
+    warps per 16 keys of the dK/dV kernel, gradient columns in chunks of at most ``chunk``
+    (a number or a function of the call), and ``tiles`` (a tuple or a function of the call)
+    in order of preference. The dQ is fused into the dK/dV kernel unless the call asks for
+    determinism or a tile streams fewer than 16 rows; ``full_deterministic``: FullScores for
+    deterministic calls whatever their options. A tile takes two stages of the streamed
+    tiles while as many blocks fit on an SM as its registers allow (these kernels take up to
+    255 registers a thread: 256 threads fill the file), and never beside 3xTF32's pre-split
+    tiles."""
+
+    name: str
+    when: Callable[[Call], bool]
+    policy: str
+    tiles: tuple[BwdTile, ...] | Callable[[Call], tuple[BwdTile, ...]]
+    chunk: int | Callable[[Call], int]
+    why: str
+    roles: int = 1
+    full_deterministic: bool = False
+    fallback: bool = False
+
+    def candidates(self, call: Call) -> list[BackwardSpec]:
+        tiles = self.tiles(call) if callable(self.tiles) else self.tiles
+        chunk = min(call.hd, self.chunk(call) if callable(self.chunk) else self.chunk)
+        dq_chunk = min(call.hd, 128) if self.policy == "mma16" else chunk
+        full = call.full or (self.full_deterministic and call.deterministic)
+        out = []
+        for block_r, block_c, mi, *two_stages_only in tiles:
+            spec = BackwardSpec(call.dtype, self.policy, call.hd, dq_chunk, chunk, block_r, block_c,
+                                not call.deterministic and block_c % 16 == 0, 2, full, mi, self.roles)
+            if spec.presplit or max(1, 256 // spec.threads) * spec.smem_bytes > call.smem_limit:
+                if two_stages_only:
+                    continue
+                spec = dataclasses.replace(spec, stages=1)
+            out.append(spec)
+        return out
+
+
+@dataclass(frozen=True)
+class _WgmmaBackwardRule(BackwardRule):
+    """The warpgroup dK/dV kernel: two warpgroups of 64 keys; up to D = 128 the whole head
+    in one chunk, D = 256 in two (S^T and dP^T recomputed per chunk); 128-query tiles at
+    D <= 64, 64 above; two stages where they fit."""
+
+    def candidates(self, call: Call) -> list[BackwardSpec]:
+        spec = BackwardSpec(call.dtype, "wgmma", call.hd, call.hd, min(call.hd, 128), 128,
+                            128 if call.hd <= 64 else 64, True, 2, False, 1)
+        return [spec if spec.smem_bytes <= call.smem_limit else dataclasses.replace(spec, stages=1)]
+
+
+_BWD_BASE = ((64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))   # one role, 32 or 16 streamed rows
+_BWD_16 = ((64, 16, 1), (32, 16, 1), (16, 16, 1))                  # 16 streamed rows
+
+
+def _mma16_chunk(c: Call) -> int:
+    """dK and dV of a 128-wide chunk take 128 registers a thread; beside FullScores that
+    spills at D > 128, and on sm_80 to sm_89 at D = 128 as well (sm_90's allocation fits)."""
+    return 64 if c.full and (c.hd > 128 or (c.hd > 64 and c.arch < 90)) else 128
+
+
+def _mma16_tiles(c: Call) -> tuple[BwdTile, ...]:
+    """128 keys a block share each streamed tile (fewer dQ atomics per key); 64 queries per
+    tile, or two key groups per warp (D <= 32), only where S and dP of that size fit beside
+    dK and dV without a spill."""
+    return ((128, 32, 2),) * (c.hd <= 32) + ((128, 64, 1),) * (c.hd <= 64 and not c.full) + ((128, 32, 1),) + _BWD_BASE
+
+
+def _split_roles(c: Call) -> bool:
+    """Split roles: plain, not deterministic, on sm_90 (smaller shared memories would shrink
+    the key tiles), at padded head dims 96 and 128."""
+    return c.hopper and 64 < c.hd <= 128 and not (c.full or c.deterministic)
+
+
+#: The backward's rules, in order (see the module docstring).
+BACKWARD_RULES: tuple[BackwardRule, ...] = (
+    _WgmmaBackwardRule("wgmma16", lambda c: c.f16 and c.hopper and c.hd in WGMMA_BACKWARD_HEAD_DIMS
+                       and not (c.deterministic or c.full), "wgmma", (), 128, fallback=True,
+                       why="Hopper's warpgroup dK/dV kernel, dQ fused (bench/NOTES.md, 'Backward 16-bit: "
+                           "wgmma on Hopper')"),
+    BackwardRule("portable-f64", lambda c: c.simt and c.dtype == "float64", "simt", _BWD_16 + ((16, 8, 1),), 32,
+                 why="no tensor cores: FMA products; float64's 32-column chunks keep dK and dV in registers"),
+    BackwardRule("portable", lambda c: c.simt, "simt", _BWD_BASE + ((16, 8, 1),), 64,
+                 why="no tensor cores: FMA products"),
+    BackwardRule("mma16-deterministic", lambda c: c.f16 and c.deterministic, "mma16", _BWD_BASE, _mma16_chunk,
+                 why="mma.sync, dQ by its own kernel in a fixed order"),
+    BackwardRule("mma16", lambda c: c.f16, "mma16", _mma16_tiles, _mma16_chunk,
+                 why="mma.sync, dQ fused (bench/NOTES.md, 'Backward 16-bit: mma.sync tiles')"),
+    BackwardRule("tf32", lambda c: c.tf32, "tf32", _BWD_16 + ((16, 8, 1),), 64,
+                 why="allow_tf32: one TF32 product per product; 32 streamed rows spill beside its fragments"),
+    BackwardRule("3xtf32-split-roles", lambda c: c.x3 and _split_roles(c), "tf32x3",
+                 lambda c: ((64, 48 if c.hd <= 96 else 32, 1), (32, 16, 1), (16, 16, 1)), 128, roles=2,
+                 why="3xTF32, two warps per 16 keys (one for dV, one for dK), each holding one gradient of the "
+                     "whole head, operands split once in shared memory (bench/NOTES.md, 'Backward: split "
+                     "roles', 'Backward float32: operands split once')"),
+    BackwardRule("3xtf32-128-keys", lambda c: c.x3 and c.hd <= 64 and not (c.full or c.deterministic), "tf32x3",
+                 ((128, 64, 1, True),) + _BWD_BASE + ((16, 8, 1),), 128,
+                 why="3xTF32 at D <= 64: 128 keys x 64 queries with two stages where they fit (bench/NOTES.md, "
+                     "'Backward float32: 3xTF32 tiles and chunks')"),
+    BackwardRule("3xtf32-whole-head", lambda c: c.x3 and c.hd <= 128 and not (c.full or c.deterministic),
+                 "tf32x3", ((32, 16, 1), (16, 16, 1), (16, 8, 1)), 128,
+                 why="3xTF32 with the whole head in one chunk, so S and dP are not recomputed per chunk; 32 keys "
+                     "a block, as 64 spill"),
+    BackwardRule("3xtf32", lambda c: c.x3 and c.hd <= 64, "tf32x3", _BWD_BASE + ((16, 8, 1),), 64,
+                 why="3xTF32 with FullScores or determinism"),
+    BackwardRule("3xtf32-wide", lambda c: c.x3, "tf32x3", _BWD_16 + ((16, 8, 1),), 64,
+                 why="3xTF32 above D = 64: 16 streamed rows (32 spill beside the split fragments)"),
+    BackwardRule("dmma-split-roles", lambda c: c.f64 and _split_roles(c), "dmma", _BWD_16, 128, roles=2,
+                 why="float64 DMMA, two warps per 16 keys, the whole head in one chunk and 8 warps in the one "
+                     "block shared memory admits per SM (bench/NOTES.md, 'Backward: split roles')"),
+    BackwardRule("dmma", lambda c: c.f64, "dmma", _BWD_16 + ((16, 8, 1),), lambda c: 32 if c.hd > 128 else 64,
+                 full_deterministic=True,
+                 why="float64 DMMA, 64-wide chunks up to D = 128 (32 above); deterministic calls take FullScores "
+                     "(its plain kernel without a fused dQ spills)"),
+)
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The spec a rule table chose for a call, the rule that chose it, and the candidates
+    tried before it that did not fit the shared memory (with the rules they came from)."""
+
+    spec: KernelSpec | BackwardSpec
+    rule: ForwardRule | BackwardRule
+    rejected: tuple[tuple[str, KernelSpec | BackwardSpec], ...]
+
+
+def _choose(rules: tuple, call: Call, what: str) -> Choice:
+    rejected = []
+    for rule in rules:
+        if not rule.when(call):
+            continue
+        for spec in rule.candidates(call):
+            if spec.smem_bytes <= call.smem_limit:
+                return Choice(spec, rule, tuple(rejected))
+            rejected.append((rule.name, spec))
+        if not rule.fallback:
+            break
+    need = min((s.smem_bytes for _, s in rejected), default=0)
+    raise NoKernelError(
+        f"no {call.dtype} {what} kernel for padded head dim {call.hd} fits this GPU's {call.smem_limit // 1024} KiB "
+        f"of shared memory per block (the smallest candidate needs {need // 1024} KiB); use backend='cpu'"
+    )
+
+
+def _call(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool | None,
+          full: bool, deterministic: bool = False) -> Call:
+    return Call(dtype, head_dim_bucket(max(d, dv)), arch, smem_limit, allow_tf32,
+                force_portable() if portable is None else portable, full, deterministic)
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_forward(call: Call) -> Choice:
+    """The forward's :class:`Choice` for a call (computed once per distinct call)."""
+    return _choose(FORWARD_RULES, call, "forward")
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_backward(call: Call) -> Choice:
+    """The backward's :class:`Choice` for a call (computed once per distinct call)."""
+    return _choose(BACKWARD_RULES, call, "backward")
+
+
+def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
+                   portable: bool | None = None, full: bool = True) -> KernelSpec:
+    """The forward kernel for this problem on a GPU of compute capability ``arch`` (e.g. 90).
+
+    ``smem_limit`` is the device's opt-in shared memory per block in bytes; ``full``: some
+    option beyond causal, window and lengths is in use (see :func:`needs_full`). Raises
+    NoKernelError when no tile shape fits (float64 with D > 256 on 99 KB GPUs).
+    """
+    return choose_forward(_call(dtype, d, dv, arch, smem_limit, allow_tf32, portable, full)).spec
+
+
 def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
                     portable: bool | None = None, deterministic: bool = False, full: bool = True) -> BackwardSpec:
     """The backward kernels for this problem on a GPU of compute capability ``arch``.
 
-    Gradient columns come in chunks (float16/bfloat16 on tensor cores and 3xTF32 without
-    options: up to 128; float64 without options on sm_90: the whole head up to 128, its dK
-    and dV in two warps; float64 without tensor cores or above D = 128: 32; otherwise 64) so
-    that dK and dV (or dQ) stay in registers beside S and dP whatever the head dim.
     ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
     :func:`select_forward`. Raises NoKernelError when no tile fits.
     """
-    return _select_backward(dtype, d, dv, arch, smem_limit, allow_tf32,
-                            force_portable() if portable is None else portable, deterministic, full)
-
-
-@functools.lru_cache(maxsize=4096)
-def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool,
-                     deterministic: bool, full: bool) -> BackwardSpec:
-    """:func:`select_backward` with ``portable`` decided, computed once per distinct arguments."""
-    policy = policy_for(dtype, arch, allow_tf32, portable)
-    hd = head_dim_bucket(max(d, dv))
-    if policy == "mma16" and arch == 90 and hd in WGMMA_BACKWARD_HEAD_DIMS and not (deterministic or full):
-        # Hopper (flash_bwd_dkdv's warpgroup branch): two warpgroups of 64 keys; up to D = 128
-        # the whole head in one chunk, D = 256 in two (S^T and dP^T recomputed per chunk);
-        # 128-query tiles at D <= 64 (every product at least 64 wide: H100, L = 4096, 1.09x
-        # FA2 against 0.91x with 64), 64 above; two stages where they fit.
-        spec = BackwardSpec(dtype, "wgmma", hd, hd, min(hd, 128), 128, 128 if hd <= 64 else 64, True, 2, False, 1)
-        if spec.smem_bytes > smem_limit:
-            spec = dataclasses.replace(spec, stages=1)
-        if spec.smem_bytes <= smem_limit:
-            return spec
-    wide = dtype == "float64"
-    # (block_r, block_c, 16-key groups per warp of the dK/dV kernel)
-    tiles = ((64, 16, 1), (32, 16, 1), (16, 16, 1)) if wide else (
-        (64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))
-    # 3xTF32 at D <= 64 (plain kernels): 128 keys x 64 queries, 8 warps, where two stages fit
-    # (H100, L = 1024 / 4096: 1.58-1.59x SDPA-efficient non-causal against 1.45-1.50x with 64
-    # x 32; 128 x 32 and 64 x 64 alone were slower: bench/NOTES.md, session 10)
-    x3_wide = policy == "tf32x3" and hd <= 64 and not full and not deterministic
-    if x3_wide:
-        tiles = ((128, 64, 1),) + tiles
-    if policy == "mma16" and not deterministic:
-        # 128 keys a block share each streamed tile (fewer dQ atomics per key); 64 queries
-        # per tile, or two key groups per warp (D <= 32), only where S and dP of that size
-        # fit beside dK and dV without a spill (measured: bench/NOTES.md).
-        tiles = ((128, 32, 2),) * (hd <= 32) + ((128, 64, 1),) * (hd <= 64 and not full) + ((128, 32, 1),) + tiles
-    # dK and dV of a 128-wide chunk take 128 registers a thread; beside the full score
-    # pipeline that spills at D > 128 (two chunks or more anyway), and on sm_80..sm_89 at
-    # D = 128 as well (ptxas: 16 bytes; sm_90's allocation fits), so those take 64.
-    narrow = full and (hd > 128 or (hd > 64 and arch < 90))
-    # 3xTF32 (plain kernels) takes the whole head up to D = 128 in one chunk, so S and dP are
-    # not recomputed per chunk (1.4x at D = 128 on the H200: bench/NOTES.md); with one role,
-    # 32 keys a block, as 64 spill (ptxas, sm_80 and sm_90), as do the full score pipeline and
-    # the deterministic dQ's (sm_80 to sm_89) beside it.
-    x3_whole = policy == "tf32x3" and hd <= 128 and not full and not deterministic
-    if policy == "mma16":
-        kv_chunk = 64 if narrow else 128
-    elif wide and (policy == "simt" or hd > 128):
-        kv_chunk = 32
-    else:
-        kv_chunk = 128 if x3_whole else 64
-    kv_chunk = min(hd, kv_chunk)
-    # float64 on tensor cores: up to D = 128, 64-wide chunks (D = 128 in two, not four, so S
-    # and dP are recomputed half as often; without options on sm_90 one chunk of split roles,
-    # below) fit without a spill, in the plain kernel too since
-    # its masked tiles test the band without branches (ptxas, sm_80 to sm_90); the plain
-    # kernel is 1.26-1.39x faster (H100, D = 64 and 128: bench/NOTES.md). Deterministic
-    # float64 keeps the full one: its plain kernel without fused dQ spills 4 bytes at D = 64
-    # on sm_90.
-    full = full or (policy == "dmma" and deterministic)
-    if policy == "tf32" or (policy == "tf32x3" and hd > 64):
-        # 32 streamed rows spill beside the TF32 fragments (ptxas, sm_80 and sm_90); and
-        # 3xTF32 at D = 128 runs faster with 16 (H200: bench/NOTES.md)
-        tiles = tuple(tile for tile in tiles if tile[1] != 32)
-    if x3_whole and hd > 64:
-        tiles = tuple(tile for tile in tiles if tile[0] != 64)
-    # Split roles (flash_bwd_dkdv's ROLES = 2) for float64 and 3xTF32 plain kernels at D = 96
-    # and 128 on sm_90: two warps share each 16 keys, one computing S^T, P and dV, the other
-    # dP^T, dS and dK, so each holds one gradient of the whole head. float64 then takes one
-    # chunk, not two that each recompute S^T and dP^T, with 8 warps in the one block shared
-    # memory admits per SM (4 before): 1.9-2.1x faster. 3xTF32 affords 64 keys a block and
-    # 32 or 48 streamed rows without a spill: 1.08-1.17x faster (H100: bench/NOTES.md).
-    # Smaller shared memories (sm_80 to sm_89, and sm_100 and later, unmeasured) would shrink
-    # the key tiles; those keep one role. Only tiles of fused dQ (16-row streamed tiles).
-    roles = 2 if policy in ("dmma", "tf32x3") and 64 < hd <= 128 and not (full or deterministic) and arch == 90 else 1
-    if roles == 2:
-        kv_chunk = hd
-        if policy == "tf32x3":
-            tiles = ((64, 48 if hd <= 96 else 32, 1),) + tiles
-        tiles = tuple(tile for tile in tiles if tile[1] % 16 == 0)
-    if policy != "mma16":  # m16n8k16 consumes 16 streamed rows at a time; the others 8 or 4
-        tiles += ((16, 8, 1),)
-    dq_chunk = min(hd, 128) if policy == "mma16" else kv_chunk
-    fused = not deterministic
-    for block_r, block_c, mi in tiles:
-        spec = BackwardSpec(dtype, policy, hd, dq_chunk, kv_chunk, block_r, block_c, fused and block_c % 16 == 0,
-                            2, full, mi, roles)
-        # A second stage of the streamed tiles only while as many blocks fit on an SM as its
-        # registers allow (these kernels take up to 255 a thread: 256 threads fill the file),
-        # and never beside the pre-split tiles (their kernel copies during the dQ product).
-        if spec.presplit or max(1, 256 // spec.threads) * spec.smem_bytes > smem_limit:
-            if x3_wide and (block_r, block_c) == (128, 64):
-                continue  # its gain was measured with two stages only
-            spec = dataclasses.replace(spec, stages=1)
-        if spec.smem_bytes <= smem_limit:
-            return spec
-    raise NoKernelError(
-        f"no {dtype} backward kernel for head dims ({d}, {dv}) fits this GPU's {smem_limit // 1024} KiB of "
-        f"shared memory per block (it needs {spec.smem_bytes // 1024} KiB); use backend='cpu'"
-    )
+    return choose_backward(_call(dtype, d, dv, arch, smem_limit, allow_tf32, portable, full, deterministic)).spec
 
 
 def backward_key_block_major(spec: BackwardSpec, causal: bool) -> bool:
     """Whether flash_bwd_dkdv takes its blocks key block by key block over all the heads
     (heavy first: under a causal mask a head's first key blocks see every query) instead of
-    head by head: causal float32 and float64, 3-11% faster (H100, session 16 in
-    bench/NOTES.md). Not 16-bit, whose faster kernels then stream the queries of every head
-    through L2 at once: 6-7% slower at L = 16384."""
+    head by head: causal float32 and float64. Not 16-bit, whose faster kernels then stream
+    the queries of every head through L2 at once (bench/NOTES.md, 'Backward: block order')."""
     return causal and spec.dtype in ("float32", "float64")
+
+
+def _every_call(arch: int):
+    """Every distinct call kind on ``arch``: dtypes, head-dim buckets, flags."""
+    for dtype in CXX_TYPE:
+        for hd in HEAD_DIM_BUCKETS:
+            for allow_tf32 in (False, True):
+                for portable in (False, True):
+                    for full in (False, True):
+                        for deterministic in (False, True):
+                            yield Call(dtype, hd, arch, ARCH_SMEM[arch], allow_tf32, portable, full, deterministic)
+
+
+def _all_specs(choose, arch: int) -> set:
+    specs = set()
+    for call in _every_call(arch):
+        try:
+            specs.add(choose(call).spec)
+        except NoKernelError:
+            pass
+    return specs
+
+
+def all_forward_specs(arch: int) -> list[KernelSpec]:
+    """Every spec :func:`select_forward` can return on ``arch``, for ahead-of-time compile checks."""
+    return sorted(_all_specs(choose_forward, arch), key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_n,
+                                                                   s.num_warps, s.full, s.dv_tile))
 
 
 def all_backward_specs(arch: int) -> list[BackwardSpec]:
     """Every spec :func:`select_backward` can return on ``arch``."""
-    specs = set()
-    for dtype in CXX_TYPE:
-        for bucket in HEAD_DIM_BUCKETS:
-            for allow_tf32 in (False, True):
-                for portable in (False, True):
-                    for deterministic in (False, True):
-                        for full in (False, True):
-                            try:
-                                specs.add(select_backward(dtype, bucket, bucket, arch, ARCH_SMEM[arch], allow_tf32,
-                                                          portable, deterministic, full))
-                            except NoKernelError:
-                                pass
-    return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r, s.block_c, s.fused_dq, s.full, s.mi))
+    return sorted(_all_specs(choose_backward, arch), key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r,
+                                                                    s.block_c, s.fused_dq, s.full, s.mi))
 
 
 def all_kernels(arch: int) -> list[tuple[str, str, int]]:
@@ -502,24 +679,3 @@ def all_kernels(arch: int) -> list[tuple[str, str, int]]:
         for name, smem in s.kernels:
             kernels[name] = ("backward", name, smem)
     return sorted(kernels.values())
-
-
-#: Opt-in shared memory per block (bytes) of each architecture CI compiles for.
-ARCH_SMEM = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-
-
-def all_forward_specs(arch: int) -> list[KernelSpec]:
-    """Every spec :func:`select_forward` can return on ``arch``, for ahead-of-time compile checks."""
-    specs = set()
-    for dtype in CXX_TYPE:
-        for bucket in HEAD_DIM_BUCKETS:
-            for dv in {bucket, 1}:
-                for allow_tf32 in (False, True):
-                    for portable in (False, True):
-                        for full in (False, True):
-                            try:
-                                specs.add(select_forward(dtype, bucket, dv, arch, ARCH_SMEM[arch], allow_tf32,
-                                                         portable, full))
-                            except NoKernelError:
-                                pass
-    return sorted(specs, key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_n, s.num_warps))

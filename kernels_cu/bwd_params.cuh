@@ -2,7 +2,7 @@
 // arrays. flashcupy/cuda/params.py mirrors it (BWD_PARAMS_DTYPE); its size is checked.
 #pragma once
 
-#include "flash_params.cuh"
+#include "params.cuh"
 
 namespace flash {
 

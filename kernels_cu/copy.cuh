@@ -10,7 +10,7 @@
 // asynchronous, zero-fill by src-size 0) or a 16-byte load.
 #pragma once
 
-#include "flash_params.cuh"
+#include "params.cuh"
 
 
 namespace flash {
@@ -111,8 +111,8 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, i64 stride, in
 // row[col] = a and row[col + 1] = b, converted to T, each only below cols: one store of
 // both where `paired` (the row's even columns start pairs aligned for a two-element store)
 // and both land, else one store each. Output rows leave the kernels this way: a warp's
-// 2-byte stores to 8 rows reach each 32-byte sector in pieces, which at L = 1024 cost the
-// forward 5-15% (H100, bench/NOTES.md).
+// 2-byte stores to 8 rows would reach each 32-byte sector in pieces, which shows at short
+// sequences (bench/NOTES.md, 'Output stores in pairs').
 template <typename T, typename Acc>
 __device__ __forceinline__ void store_pair(T* row, int col, int cols, Acc a, Acc b, bool paired) {
     struct alignas(2 * sizeof(T)) Two {
@@ -126,17 +126,5 @@ __device__ __forceinline__ void store_pair(T* row, int col, int cols, Acc a, Acc
     }
 }
 
-// A (ROWS, COLS) tile with rows padded by one 16-byte chunk (row pitch LD elements), so
-// that ldmatrix's and scalar loads' 8 rows fall on distinct banks.
-template <typename T, int ROWS, int COLS>
-struct PaddedTile {
-    static constexpr int LD = COLS + 16 / sizeof(T);
-    static constexpr int ELEMS = ROWS * LD;
-
-    template <int THREADS>
-    static __device__ __forceinline__ void load(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols) {
-        load_tile<T, ROWS, COLS, LD, THREADS>(smem, gmem, stride, valid_rows, valid_cols);
-    }
-};
 
 }  // namespace flash

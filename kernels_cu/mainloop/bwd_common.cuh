@@ -1,0 +1,461 @@
+// What the backward's key-major mainloops (the dK/dV kernel, flash_bwd.cu) share: the block's
+// keys and the query tiles it visits (BwdKeyBlock), the element pass that turns S^T and dP^T
+// into P^T and dS^T (BwdElements: the plain tiles' selections, and the full score pipeline),
+// dQ's fused tile (warp_dq, add_dq_tile) and the epilogue that stores dK and dV.
+//
+// A dK/dV mainloop is a type with Element, Acc, kThreads, kSwizzled, kFull (whether it
+// takes FullScores), SharedStorage and kSmemBytes, and run(storage, block): the block's dK
+// and dV over every query tile, stored. Adding a pipeline is adding such a type (one header)
+// and the rule that picks it (flashcupy/cuda/rules.py).
+#pragma once
+
+#include "../bwd_params.cuh"
+#include "../mma/warp.cuh"
+#include "../mma/wgmma.cuh"
+#include "../score/scores.cuh"
+
+namespace flash {
+
+// What dQ's accumulator holds, decided by the host (BackwardSpec.dq_accum): nothing (dQ has a
+// kernel of its own, flash_bwd_dq), dQ / scale (flash_bwd_dq_convert scales and converts it)
+// or dQ itself (the atomics, or a dS that carries the scale, multiply by it; the backend
+// points the accumulator at dQ wherever the layouts agree).
+enum DqAccum : int { kDqOwnKernel = 0, kDqOverScale = 1, kDqItself = 2 };
+
+// lse in the log2 domain; a fully masked row (lse = -inf) subtracts 0, so that its
+// scores, all -inf, give exp2(-inf) = 0 rather than NaN.
+template <typename Acc> __device__ __forceinline__ Acc lse_log2(Acc lse) {
+    return lse == neg_inf<Acc>() ? Acc(0) : lse * static_cast<Acc>(kLog2e);
+}
+
+template <typename Acc> __device__ __forceinline__ void acc_atomic_add(Acc* address, Acc value) {
+    atomicAdd(address, value);
+}
+
+// address[0] += a, address[1] += b (address 8-byte aligned for float): one vector
+// reduction on sm_90, which fills the 32-byte sectors the scalar pair would half-use.
+__device__ __forceinline__ void acc_atomic_add2(float* address, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b));
+#else
+    atomicAdd(address, a);
+    atomicAdd(address + 1, b);
+#endif
+}
+__device__ __forceinline__ void acc_atomic_add2(double* address, double a, double b) {
+    atomicAdd(address, a);
+    atomicAdd(address + 1, b);
+}
+
+// pass(FAST) with FAST a constant: two inlined copies of a tile's element pass, the fast
+// tiles' without any selection.
+template <typename F> __device__ __forceinline__ void by_tile(bool fast, F pass) {
+    if (fast)
+        pass(true);
+    else
+        pass(false);
+}
+
+// The most column slices, at most `most`, that split `width` into multiples of `align`.
+__host__ __device__ constexpr int dq_slices(int most, int width, int align) {
+    return most <= 1 || width % (most * align) == 0 ? (most < 1 ? 1 : most) : dq_slices(most - 1, width, align);
+}
+
+// A dQ tile's share of this thread, rows row0 + g and row0 + g + 8 (those below i1) and
+// the accumulator layout's column pairs (2t, 2t + 1) of N tiles from column col, added
+// into gdQa (row stride sr) by atomics, times `scale` where SCALED (a double from the
+// parameter block, multiplied in double: a float copy would stay live in a register, which
+// spills 3xTF32's D = 96 kernel on sm_80). d_true is even or the pair's second column
+// is padding of the accumulator (its row stride is the padded width, even).
+template <bool SCALED, typename Acc, int N>
+__device__ __forceinline__ void add_dq_tile(Acc* gdQa, i64 sr, const Acc (&dq)[1][N][4], int row0, int i1, int col,
+                                            int d_true, const double& scale) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+        const int i = row0 + g + 8 * x;
+        if (i >= i1) continue;
+        Acc* row = gdQa + i * sr + col + 2 * t;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            if (col + 8 * n + 2 * t >= d_true) continue;
+            const Acc a = dq[0][n][2 * x], b = dq[0][n][2 * x + 1];
+            acc_atomic_add2(row + 8 * n, SCALED ? static_cast<Acc>(a * scale) : a,
+                            SCALED ? static_cast<Acc>(b * scale) : b);
+        }
+    }
+}
+
+// Offset of row `row` of head h of batch b in a (batch, head, row) operand with element
+// strides sb, sh, sr. Packed operands have no batch stride: their rows count from the first
+// sequence, so `row` already includes the sequence's start.
+__device__ __forceinline__ i64 row_offset(bool packed, i64 b, i64 h, i64 row, i64 sb, i64 sh, i64 sr) {
+    return (packed ? 0 : b * sb) + h * sh + row * sr;
+}
+
+// The shared memory of a dK/dV block, region after region (byte offsets): its keys' K and V
+// (K_ELEMS each), per stage the streamed Q and dO (Q_ELEMS each), LO elements of 3xTF32's
+// lo halves of those tiles (their hi halves' offsets from K plus LO), dS^T for the fused dQ
+// (DS_ELEMS of PElem), per stage the streamed rows' lse2 and D (BLOCK_C each), and P^T handed
+// between the two roles (HANDOFF accumulators).
+template <typename T, typename PElem, typename Acc, int K_ELEMS, int Q_ELEMS, int STAGES, int LO, int DS_ELEMS,
+          int BLOCK_C, int HANDOFF>
+struct DkdvStorage {
+    using Accumulator = Acc;
+    static constexpr int K = 0;
+    static constexpr int V = K + K_ELEMS * int(sizeof(T));
+    static constexpr int Q = V + K_ELEMS * int(sizeof(T));
+    static constexpr int DO = Q + STAGES * Q_ELEMS * int(sizeof(T));
+    static constexpr int DS = DO + (STAGES * Q_ELEMS + LO) * int(sizeof(T));
+    static constexpr int LSE = DS + DS_ELEMS * int(sizeof(PElem));
+    static constexpr int DELTA = LSE + STAGES * BLOCK_C * int(sizeof(Acc));
+    static constexpr int P = DELTA + STAGES * BLOCK_C * int(sizeof(Acc));
+    static constexpr int BYTES = P + HANDOFF * int(sizeof(Acc));
+    alignas(16) unsigned char bytes[BYTES];
+
+    __device__ __forceinline__ T* k() { return reinterpret_cast<T*>(bytes + K); }        // (BLOCK_R, HD)
+    __device__ __forceinline__ T* v() { return reinterpret_cast<T*>(bytes + V); }        // (BLOCK_R, HD)
+    __device__ __forceinline__ PElem* ds() { return reinterpret_cast<PElem*>(bytes + DS); }  // (BLOCK_R, BLOCK_C)
+    __device__ __forceinline__ Acc* handoff() { return reinterpret_cast<Acc*>(bytes + P); }   // (BLOCK_R, BLOCK_C)
+    // Stage st of the streamed Q and dO (BLOCK_C, HD), lse2 and D (BLOCK_C)
+    __device__ __forceinline__ T* q(int st = 0) { return reinterpret_cast<T*>(bytes + Q) + st * Q_ELEMS; }
+    __device__ __forceinline__ T* dout(int st = 0) { return reinterpret_cast<T*>(bytes + DO) + st * Q_ELEMS; }
+    __device__ __forceinline__ Acc* lse(int st = 0) { return reinterpret_cast<Acc*>(bytes + LSE) + st * BLOCK_C; }
+    __device__ __forceinline__ Acc* delta(int st = 0) { return reinterpret_cast<Acc*>(bytes + DELTA) + st * BLOCK_C; }
+};
+
+// One dK/dV block: BLOCK_R keys from j0 (keys_valid of them inside kv_len) of key head hk of
+// batch entry b, gradient columns from c0 (chunk), and the query tiles it visits: the pairs
+// (query head hq of the group, first row i0) with i0 in [i_first, i_hi) in steps of BLOCK_C.
+template <int BLOCK_R, int BLOCK_C>
+struct BwdKeyBlock {
+    const BwdParams& bp;
+    const Params& p;
+    int chunk, j0, c0;
+    int b, hk, group;
+    HeadView hv0;  // lengths and offsets of batch b
+    bool packed;
+    int frame_keys, keys_valid;
+    int i_lo, i_hi, i_first;  // queries that may attend some of the block's keys
+
+    __device__ __forceinline__ explicit BwdKeyBlock(const BwdParams& bp_) : bp(bp_), p(bp_.f) {}
+
+    // Works out this block's keys from blockIdx; false for blocks with none (past the last
+    // head, or past the frame's keys).
+    //
+    // Block order: the grid's blocks in order (x fastest) are either each (batch, key head)
+    // pair's key blocks in turn (bp.key_block_major = 0), or, with key_block_major, each key
+    // block (and chunk) in turn over all the pairs. Causal masks make a head's first key
+    // blocks the heaviest (they see every query): in the first order the last heads' heavy
+    // blocks start last and run alone at the end; in the second every heavy block starts
+    // first and the light ones fill the tail. The host chooses (backward_key_block_major, see
+    // bench/NOTES.md, 'Backward: block order').
+    template <int CH>
+    __device__ __forceinline__ bool locate() {
+        const int n_blocks = (p.lk + BLOCK_R - 1) / BLOCK_R;
+        const int heads = p.batch * p.hk, grid_head = blockIdx.y + gridDim.y * blockIdx.z;
+        if (grid_head >= heads) return false;  // beyond the last head (heads split over y and z)
+        const i64 linear = blockIdx.x + i64(gridDim.x) * grid_head;
+        const bool key_major = bp.key_block_major != 0;
+        const int bx = key_major ? static_cast<int>(linear / heads) : blockIdx.x;           // key block and chunk
+        const int bhk = key_major ? static_cast<int>(linear - i64(bx) * heads) : grid_head;  // (batch, key head)
+        chunk = bx / n_blocks;
+        j0 = (bx - chunk * n_blocks) * BLOCK_R;
+        c0 = chunk * CH;
+        b = bhk / p.hk;
+        hk = bhk - b * p.hk;
+        group = p.hq / p.hk;
+        hv0 = head_view(p, b * p.hq + hk * group);
+        packed = p.cu_seqlens_q != nullptr;
+        frame_keys = packed ? hv0.kv_len : p.lk;
+        if (j0 >= frame_keys) return false;
+        keys_valid = max(0, min(BLOCK_R, hv0.kv_len - j0));
+        return true;
+    }
+
+    // Locates the block (false: it has no keys), copies its K and V rows into sK and sV (one
+    // cp.async group) and works out which queries see them.
+    template <int CH, typename KTile, int THREADS, typename T>
+    __device__ __forceinline__ bool start(T* sK, T* sV) {
+        if (!locate<CH>()) return false;
+        KTile::template load<THREADS>(sK, key_rows<T>(p.k, p.k_sb, p.k_sh, p.k_sr), p.k_sr, keys_valid, p.d);
+        KTile::template load<THREADS>(sV, key_rows<T>(p.v, p.v_sb, p.v_sh, p.v_sr), p.v_sr, keys_valid, p.dv_stored);
+        cp_async_commit();
+        query_range();
+        return true;
+    }
+
+    // The walk over the block's query tiles, the skeleton every dK/dV mainloop shares:
+    // load(hq, i0, st) copies a tile into stage st; after_first() runs once the first tile's
+    // copies are issued; per tile, before_wait() runs before the block waits for the tile's
+    // copies (and every warp is done with the other stage and with dS^T), the next tile's
+    // copies go to the other stage (STAGES = 2), and body(hq, i0, st, next_hq, next_i0)
+    // computes the tile; with one stage, the body copies the next tile (next_hq < group) with
+    // load(next_hq, next_i0, 0) where the stage is free.
+    template <bool FULL, int STAGES, bool WARPGROUP, typename Load, typename AfterFirst, typename BeforeWait,
+              typename Body>
+    __device__ __forceinline__ void walk(Load load, AfterFirst after_first, BeforeWait before_wait, Body body) const {
+        int hq = 0, i0 = i_first, st = 0;
+        advance<FULL>(hq, i0);
+        if (hq < group) load(hq, i0, 0);
+        after_first();
+        while (hq < group) {
+            int next_hq = hq, next_i0 = i0 + BLOCK_C;
+            advance<FULL>(next_hq, next_i0);
+            before_wait();
+            wait_tiles<0, WARPGROUP>();  // tile (hq, i0) has landed; every warp is done with the other stage and dS^T
+            if (STAGES == 2 && next_hq < group) load(next_hq, next_i0, st ^ 1);
+            body(hq, i0, st, next_hq, next_i0);
+            hq = next_hq;
+            i0 = next_i0;
+            st ^= STAGES - 1;
+        }
+        cp_async_wait<0>();
+    }
+
+    // This block's K or V rows (row strides sr of an operand laid out like k).
+    template <typename T>
+    __device__ __forceinline__ const T* key_rows(const void* base, i64 sb, i64 sh, i64 sr) const {
+        const i64 k_row0 = packed ? hv0.k_start + j0 : j0;
+        return static_cast<const T*>(base) + row_offset(packed, b, hk, k_row0, sb, sh, sr);
+    }
+
+    // Queries [i_lo, i_hi) that may attend some key of [j0, j0 + keys_valid): key_range inverted.
+    __device__ __forceinline__ void query_range() {
+        i_lo = 0;
+        i_hi = keys_valid > 0 ? hv0.q_len : 0;
+        const int j_last = j0 + keys_valid - 1;
+        if (p.causal != kNoCausal) i_lo = max(i_lo, j0 - (p.causal == kTopLeft ? 0 : hv0.diagonal));
+        if (p.window_right >= 0) i_lo = max(i_lo, j0 - hv0.diagonal - p.window_right);
+        if (p.window_left >= 0) i_hi = min(i_hi, j_last - hv0.diagonal + p.window_left + 1);
+        i_first = i_lo - i_lo % BLOCK_C;
+    }
+
+    __device__ __forceinline__ HeadView query_head(int hq) const { return head_view(p, b * p.hq + hk * group + hq); }
+
+    // Moves (hq, i0) to the next query tile with a live score (hq == group: none left). Only
+    // FullScores have masks that rule out whole tiles.
+    template <bool FULL>
+    __device__ __forceinline__ void advance(int& hq, int& i0) const {
+        while (hq < group) {
+            if (i0 < i_hi) {
+                if constexpr (!FULL) return;  // no mask or block mask: every tile in range is live
+                const HeadView hv = query_head(hq);
+                if (tile_live(p, hv, i0, min(i0 + BLOCK_C, i_hi), j0, j0 + max(keys_valid, 1))) return;  // uniform
+                i0 += BLOCK_C;
+            } else {
+                ++hq;
+                i0 = i_first;
+            }
+        }
+    }
+
+    // Copies of query tile (hq, i0) into stage st of the storage: Q, dO, lse2 and D, zero
+    // beyond i_hi. One cp.async group.
+    template <typename QTile, int THREADS, typename Storage>
+    __device__ __forceinline__ void load_queries(Storage& storage, int hq, int i0, int st) const {
+        using T = typename QTile::Element;
+        using Acc = typename Storage::Accumulator;
+        T* sQ = storage.q(st);
+        T* sdO = storage.dout(st);
+        Acc* sLse = storage.lse(st);
+        Acc* sDelta = storage.delta(st);
+        const HeadView hv = query_head(hq);
+        const int rows = min(i0 + BLOCK_C, i_hi) - i0;
+        const i64 q_row0 = packed ? hv.q_start + i0 : i0;
+        const T* gQ = static_cast<const T*>(p.q) + row_offset(packed, hv.b, hv.h, q_row0, p.q_sb, p.q_sh, p.q_sr);
+        const T* gdO = static_cast<const T*>(bp.dout)
+                       + row_offset(packed, hv.b, hv.h, q_row0, bp.do_sb, bp.do_sh, bp.do_sr);
+        QTile::template load<THREADS>(sQ, gQ, p.q_sr, rows, p.d);
+        QTile::template load<THREADS>(sdO, gdO, bp.do_sr, rows, p.dv_stored);
+        const i64 stat = row_offset(packed, hv.b, hv.h, q_row0, p.lse_sb, p.lse_sh, 1);
+        for (int c = threadIdx.x; c < BLOCK_C; c += THREADS) {
+            const bool valid = c < rows;
+            cp_async_elem(sLse + c, static_cast<const Acc*>(bp.lse2) + stat + (valid ? c : 0), valid);
+            cp_async_elem(sDelta + c, static_cast<const Acc*>(bp.delta) + stat + (valid ? c : 0), valid);
+        }
+        cp_async_commit();
+    }
+
+    // dQ's accumulator rows of query head hv.
+    template <typename Acc>
+    __device__ __forceinline__ Acc* dq_rows(const HeadView& hv) const {
+        return static_cast<Acc*>(bp.dq_accum) + (packed ? hv.q_start * bp.dqa_sr : hv.b * bp.dqa_sb) + hv.h * bp.dqa_sh;
+    }
+};
+
+// One query tile of a dK/dV block: rows [i0, i1); once its products are issued, classify()
+// works out whether the block's keys see it whole and inside the band (`fast`: no element
+// needs a selection). The tile's head view and score modifiers are the caller's locals (a
+// struct holding both, one referring to the other, keeps the compiler from placing them in
+// registers).
+struct BwdQueryTile {
+    int i0, i1;
+    bool band;  // the tile crosses a causal or window edge
+    bool fast;
+
+    template <int BLOCK_R, int BLOCK_C>
+    __device__ __forceinline__ BwdQueryTile(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, int i0_)
+        : i0(i0_), i1(min(i0_ + BLOCK_C, blk.i_hi)) {}
+
+    template <int BLOCK_R, int BLOCK_C, typename Sc>
+    __device__ __forceinline__ void classify(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
+                                             const Sc& scores) {
+        // Full tile: BLOCK_C queries and BLOCK_R keys, tested on the unclamped ends. CUDA 13's
+        // NVRTC folded `keys_valid == BLOCK_R` (keys_valid = max(0, min(BLOCK_R, n))) to true
+        // with one key: the padding keys then took the fast path, P = exp2(0 - lse2) overflowed
+        // where lse < 0 and dQ = dS K came out NaN (tests/test_fuzz.py, fp16 scores of -6e4).
+        const bool full_tile = i0 + BLOCK_C <= blk.i_hi && blk.j0 + BLOCK_R <= blk.hv0.kv_len;
+        band = !tile_inside_band(blk.p, hv, i0, i1, blk.j0, blk.j0 + max(blk.keys_valid, 1));
+        fast = scores.plain && full_tile && !band;
+    }
+};
+
+// The element pass of PlainScores' tiles: P^T and dS^T from S^T and dP^T (rows keys j,
+// columns queries i0 + c), the scores outside the lengths and the band selected to 0.
+// SEQUENTIAL: TileBand's sequential test, for kernels whose fragments leave no registers for
+// the interleaving the branch-free one allows.
+template <typename Acc, bool SEQUENTIAL>
+struct BwdElements {
+    const TileBand<SEQUENTIAL> in_band;
+    const Acc scale_log2;
+    const Acc* sLse;    // the tile's lse2, (BLOCK_C)
+    const Acc* sDelta;  // its D, (BLOCK_C)
+    int i0, i1, key_end;
+
+    // Whether score (query i0 + c, key j) survives the lengths and the band.
+    __device__ __forceinline__ bool kept(int c, int j) const {
+        return in_band((i0 + c < i1) & (j < key_end), i0 + c, j);
+    }
+    __device__ __forceinline__ bool keep(const bool FAST, int c, int j) const { return FAST || kept(c, j); }
+    // P^T = exp2(S^T scale log2(e) - lse2) on every element, masked or not (the same code on
+    // every tile): a masked or padding score may overflow to inf here, and differentiate
+    // selects it away.
+    __device__ __forceinline__ void exponentiate(Acc& s, int c) const { s = softmax_exp2(s * scale_log2 - sLse[c]); }
+    // dS^T = P^T (dP^T - D); off the fast path, P and dS of the scores outside the lengths
+    // and the band are then 0 by selection, whatever inf or NaN they hold.
+    __device__ __forceinline__ void differentiate(const bool FAST, Acc& s, Acc& dp, int c, int j) const {
+        const Acc ds = s * (dp - sDelta[c]);
+        const bool live = keep(FAST, c, j);
+        s = live ? s : Acc(0);
+        dp = live ? ds : Acc(0);
+    }
+};
+
+// The element pass of FullScores' tiles, one pass and one copy (a second spills beside the
+// full pipeline): P'^T = P^T z into s_t and dS^T into dp_t, with z = keep / (1 - p) of
+// dropout (dropout_scale = 1 / (1 - p)), dS taken through softcap's derivative, and dbias += dS (before softcap's chain
+// rule, chunk 0 only). FAST: P = exp2(S * scale * log2(e) - lse2), nothing selected.
+// Otherwise masked scores and padding get P = 0 and dS = 0 by selection, whatever P and
+// dP - D hold there (0 * an overflowed dP would be NaN).
+template <typename Acc, int MI, int NT, int BLOCK_R, int BLOCK_C>
+__device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
+                                              const Scores<Acc, true>& score, const BwdQueryTile& tile, int r0, int t,
+                                              const Acc* sLset,
+                                              const Acc* sDeltat, Acc dropout_scale, Acc (&s_t)[MI][NT][4],
+                                              Acc (&dp_t)[MI][NT][4]) {
+    const BwdParams& bp = blk.bp;
+    const Params& p = blk.p;
+    const bool fast = tile.fast;
+    const int i0 = tile.i0, i1 = tile.i1, j0 = blk.j0, keys_valid = blk.keys_valid;
+    // Rows of S^T are keys j, columns queries i0 + c.
+    each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
+        const int i = i0 + c;
+        const Acc raw = s;
+        // The log2-domain score minus lse2 (one FMA on the fast path); -inf where masked.
+        const Acc x = fast ? raw * score.op.scale_log2 - sLset[c]
+                           : (i < i1 && j < j0 + keys_valid ? score(raw, i, j) : neg_inf<Acc>()) - sLset[c];
+        const bool live = fast || x != neg_inf<Acc>();
+        const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
+        Acc z = Acc(1);
+        if (p.dropout_threshold != 0) z = score.keep(i, j) ? dropout_scale : Acc(0);
+        Acc ds = pe * (dp * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
+        if (!fast) {
+            if (bp.dbias != nullptr && blk.chunk == 0 && ds != Acc(0)) {
+                acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh + i * bp.db_si
+                                   + j * bp.db_sj,
+                               ds);
+            }
+            score.chain_softcap(ds, raw);
+        }
+        s = pe * z;  // P' = P z
+        dp = live ? ds : Acc(0);
+    }, dp_t);
+}
+
+// dQ_tile (BLOCK_C, CH) = dS K for this block's keys, by the warp policies: dS^T (BLOCK_R,
+// BLOCK_C) is in sdS (row pitch LDS; every warp's share stored, the caller's barrier passed),
+// K (BLOCK_R, HD) in sK (row pitch LD; with LO, 3xTF32's pre-split lo halves LO elements on).
+// RG groups of 16 query rows, each split into WPR column slices of NQ (a multiple of the
+// policy's product width), one (group, slice) per warp and pass, each added into the
+// accumulator rows gdQa by add_dq_tile (times the scale where SCALED).
+template <typename One, bool SCALED, int WARPS, int HD, int CH, int BLOCK_R, int BLOCK_C, int LD, int LDS, int LO,
+          typename T, typename PElem, typename Acc>
+__device__ __forceinline__ void warp_dq(const BwdParams& bp, const PElem* sdS, const T* sK, int c0, int warp,
+                                        Acc* gdQa, int i0, int i1) {
+    constexpr int RG = BLOCK_C / 16 > 0 ? BLOCK_C / 16 : 1;
+    constexpr int WPR = dq_slices(WARPS >= RG ? WARPS / RG : 1, CH, One::PV_N);
+    constexpr int NQ = CH / WPR;
+    static_assert(BLOCK_C % 16 == 0, "dQ row groups of 16 queries");
+    for (int task = warp; task < RG * WPR; task += WARPS) {
+        const int rg = task / WPR, n0 = (task - rg * WPR) * NQ;
+        Acc dq[1][NQ / 8][4];
+        zero_acc(dq);
+        // dQ_tile = dS K, over the block's keys KC at a time (fewer live fragments)
+        constexpr int KC = BLOCK_R % 32 == 0 ? 32 : 16;
+#pragma unroll
+        for (int k0 = 0; k0 < BLOCK_R; k0 += KC) {
+            typename One::template PFrag<KC> ds;
+            One::template load_pt<KC, LDS>(sdS + k0 * LDS + 16 * rg, ds);  // dS (16 queries, KC keys)
+            if constexpr (LO != 0)
+                One::template pv<KC, NQ, LD, LO>(ds, sK + k0 * LD + c0 + n0, dq);
+            else
+                One::template pv<KC, NQ, LD>(ds, sK + k0 * LD + c0 + n0, dq);
+        }
+        add_dq_tile<SCALED>(gdQa, bp.dqa_sr, dq, i0 + 16 * rg, i1, c0 + n0, bp.d_true, bp.f.scale);
+    }
+}
+
+// The epilogue: this thread's keys r0 + 8 x (row group x / 2, upper half x % 2) of dK (times
+// dk_scale) and dV, k_cols and v_cols columns of them from c0; keys past kv_len inside the
+// frame get 0.
+template <typename T, typename Acc, int MI, int NC, int BLOCK_R, int BLOCK_C>
+__device__ __forceinline__ void store_dkdv(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, int r0, int t, Acc dk_scale,
+                                           int k_cols, int v_cols, const Acc (&dk)[MI][NC][4],
+                                           const Acc (&dv)[MI][NC][4]) {
+    const BwdParams& bp = blk.bp;
+    const i64 dk_off = (blk.packed ? blk.hv0.k_start * bp.dk_sr : blk.b * bp.dk_sb) + blk.hk * bp.dk_sh;
+    const i64 dv_off = (blk.packed ? blk.hv0.k_start * bp.dv_sr : blk.b * bp.dv_sb) + blk.hk * bp.dv_sh;
+#pragma unroll
+    for (int x = 0; x < 2 * MI; ++x) {
+        const int j = r0 + 8 * x, mi = x >> 1, e0 = 2 * (x & 1);
+        if (j >= blk.frame_keys) continue;
+        const bool live = j < blk.hv0.kv_len;
+        T* krow = static_cast<T*>(bp.dk) + dk_off + j * bp.dk_sr + blk.c0;
+        T* vrow = static_cast<T*>(bp.dv) + dv_off + j * bp.dv_sr + blk.c0;
+#pragma unroll
+        for (int n = 0; n < NC; ++n) {
+            if constexpr (sizeof(T) < 8) {
+                // dk, dv: the backend's own 256-byte aligned buffers, so an even row stride
+                // keeps every pair aligned.
+                const Acc* kn = &dk[mi][n][e0];
+                const Acc* vn = &dv[mi][n][e0];
+                store_pair(krow, 8 * n + 2 * t, k_cols, live ? kn[0] * dk_scale : Acc(0),
+                           live ? kn[1] * dk_scale : Acc(0), bp.dk_sr % 2 == 0);
+                store_pair(vrow, 8 * n + 2 * t, v_cols, live ? vn[0] : Acc(0), live ? vn[1] : Acc(0),
+                           bp.dv_sr % 2 == 0);
+            } else {
+                // float64: one element at a time; its full-pipeline kernel on sm_86/89 has no
+                // register to spare for the pairs.
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = 8 * n + 2 * t + c;
+                    if (col < k_cols) krow[col] = static_cast<T>(live ? dk[mi][n][e0 + c] * dk_scale : Acc(0));
+                    if (col < v_cols) vrow[col] = static_cast<T>(live ? dv[mi][n][e0 + c] : Acc(0));
+                }
+            }
+        }
+    }
+}
+
+}  // namespace flash

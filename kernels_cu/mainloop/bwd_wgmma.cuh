@@ -1,0 +1,118 @@
+// The dK/dV mainloop on Hopper's warpgroup products (sm_90a, float16/bfloat16, PlainScores,
+// dQ fused): each warpgroup owns 64 keys and multiplies them at once from swizzled tiles:
+// S^T and dP^T with K and V as A operands from shared memory (P^T taken while dP^T is still
+// on the tensor cores), dV and dK with P'^T and dS^T as A operands from registers; dS^T goes
+// to shared memory, and warpgroup w computes the dQ tile's columns [w NQW, (w + 1) NQW) over
+// all the block's keys (with 128-query tiles: warpgroup w the rows [64 w, 64 w + 64)).
+// With one stage, the next tile's copies run during the dQ product.
+#pragma once
+
+#include "bwd_common.cuh"
+
+namespace flash {
+
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+template <typename T, int HD, int CH, int BLOCK_R, int BLOCK_C, int DQ, int STAGES>
+struct BwdWgmma {
+    using Policy = MmaWgmma<T>;
+    using Element = T;
+    using Acc = float;
+    static constexpr int WARPS = BLOCK_R / 16;
+    static constexpr int kThreads = 32 * WARPS;
+    using Block = BwdKeyBlock<BLOCK_R, BLOCK_C>;
+    static constexpr bool kSwizzled = true;
+    static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
+    static_assert(DQ != kDqOwnKernel && CH % 64 == 0 && BLOCK_R % 64 == 0 && BLOCK_C % 64 == 0
+                      && (BLOCK_R / 64) % (BLOCK_C / 64) == 0,
+                  "warpgroups of 64 keys, whole slabs, dQ fused in 64-query blocks shared by the warpgroups");
+
+    using KTile = Sw128Tile<T, BLOCK_R, HD>;
+    using QTile = Sw128Tile<T, BLOCK_C, HD>;
+    // dS^T (BLOCK_R, BLOCK_C), swizzled
+    using SharedStorage = DkdvStorage<T, T, Acc, KTile::ELEMS, QTile::ELEMS, STAGES, 0, BLOCK_R * BLOCK_C, BLOCK_C, 0>;
+    static constexpr int kSmemBytes = smem_bytes<kSwizzled>(sizeof(SharedStorage));
+
+    template <typename ScoreSet>
+    static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {
+        static_assert(!ScoreSet::kFull, "the warpgroup dK/dV kernel takes PlainScores");
+        // The atomics multiply by the scale where the accumulator holds dQ itself.
+        constexpr bool kScaleAtomics = DQ == kDqItself;
+        constexpr int NT = BLOCK_C / 8, NC = CH / 8;
+        const BwdParams& bp = blk.bp;
+        const Params& p = blk.p;
+        T* sK = storage.k();
+        T* sV = storage.v();
+        T* sdS = storage.ds();
+        const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        if (!blk.template start<CH, KTile, kThreads>(sK, sV)) return;
+
+        const int r0 = blk.j0 + 16 * warp + g;  // this thread's keys: r0 and r0 + 8
+        Acc dv[1][NC][4], dk[1][NC][4];
+        zero_acc(dk);
+        zero_acc(dv);
+
+        auto load = [&](int hq, int i0, int st) { blk.template load_queries<QTile, kThreads>(storage, hq, i0, st); };
+        auto nothing = [] {};
+        blk.template walk<false, STAGES, true>(load, nothing, nothing, [&](int hq, int i0, int st, int next_hq,
+                                                                         int next_i0) {
+            const HeadView hv = blk.query_head(hq);
+            const Scores<Acc, false> scores(p, hv);
+            BwdQueryTile tile(blk, i0);
+            const T* sQt = storage.q(st);
+            const T* sdOt = storage.dout(st);
+
+            Acc s_t[1][NT][4], dp_t[1][NT][4];
+            zero_acc(s_t);
+            zero_acc(dp_t);
+            Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sK, sQt, s_t);    // S^T = K Q^T
+            Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
+            tile.classify(blk, hv, scores);
+            const BwdElements<Acc, false> el{TileBand<false>(p, hv, tile.band), scores.op.scale_log2, storage.lse(st),
+                                             storage.delta(st), i0, tile.i1, blk.j0 + blk.keys_valid};
+            // P in a first pass while dP^T is still on the tensor cores, dS in a second.
+            wgmma_wait<1>();  // S^T has landed; dP^T may still run
+            fence_regs(s_t[0]);
+            each_element(s_t, r0, 0, t, [&](Acc& s, int, int c) { el.exponentiate(s, c); });
+            wgmma_wait<0>();
+            fence_regs(dp_t[0]);
+            by_tile(tile.fast, [&](const bool FAST) {
+                each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) { el.differentiate(FAST, s, dp, c, j); },
+                             dp_t);
+            });
+            typename Policy::template PFrag<BLOCK_C> pf, dsf;
+            Policy::template pack_p<BLOCK_C>(s_t, pf);
+            Policy::template pack_p<BLOCK_C>(dp_t, dsf);
+            Policy::template pv_issue<BLOCK_C, CH>(pf, sdOt + QTile::column(blk.c0), dv);  // dV += P'^T dO
+            Policy::template pv_issue<BLOCK_C, CH>(dsf, sQt + QTile::column(blk.c0), dk);  // dK += dS^T Q
+            Policy::template store_p_swizzled<BLOCK_R, BLOCK_C>(dsf, sdS);
+            // One stage: dV and dK have to be done with its Q and dO before the next tile's
+            // copies. (After fence.proxy.async instead, this wait crashes NVRTC 12.9's ptxas.)
+            if constexpr (STAGES == 1) wgmma_wait<0>();
+            fence_proxy_async();
+            __syncthreads();  // dS^T of every key of the block is in sdS (one stage: free for the next tile)
+            if (STAGES == 1 && next_hq < blk.group) load(next_hq, next_i0, 0);  // copied during dQ
+            // The dQ tile (BLOCK_C, CH): warpgroup w takes query block qb = w % QB (64 rows, the
+            // qb-th slab of dS^T) and NQW columns from col0.
+            constexpr int QB = BLOCK_C / 64, NQW = CH * QB / (WARPS / 4);
+            const int qb = (warp / 4) % QB, col0 = blk.c0 + (warp / 4) / QB * NQW;
+            Acc dq[1][NQW / 8][4];
+            zero_acc(dq);
+            Policy::template mn_issue<BLOCK_R, NQW>(sdS + qb * BLOCK_R * 64, sK, col0, dq);  // dQ_tile = dS K
+            wgmma_wait<0>();
+            fence_regs(dv[0]);
+            fence_regs(dk[0]);
+            fence_regs(dq[0]);
+            fence_regs(pf[0]);
+            fence_regs(dsf[0]);
+            add_dq_tile<kScaleAtomics>(blk.template dq_rows<Acc>(hv), bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4),
+                                       tile.i1, col0, bp.d_true, p.scale);
+        });
+        store_dkdv<T>(blk, r0, t, static_cast<Acc>(p.scale), min(CH, bp.d_true - blk.c0), min(CH, p.dv - blk.c0), dk,
+                      dv);
+    }
+};
+
+#endif  // sm_90a
+
+}  // namespace flash

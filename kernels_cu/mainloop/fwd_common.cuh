@@ -1,0 +1,91 @@
+// What the forward's mainloops share: the block's rows, keys and operands (FwdBlock), which
+// the kernel entry (flash_fwd.cu) works out and every mainloop reads, the key tiles a block
+// walks (KeyTiles), and products issued and waited for at once.
+//
+// A forward mainloop is a type with
+//   Element, Acc, MI (16-row groups per warp), kBlockM, kDv, kThreads (every thread of the
+//   block, producer warps included), kSwizzled (its tiles start 1024-byte aligned),
+//   kSequentialMask (OnlineSoftmax's band test), SharedStorage and kSmemBytes;
+//   run(storage, block, scores, softmax, o): O and the softmax's m and l over every key tile
+//   the block attends, false for threads that hold no output rows (producer warps).
+// Adding a pipeline is adding such a type (one header) and the rule that picks it
+// (flashcupy/cuda/rules.py).
+#pragma once
+
+#include "../mma/wgmma.cuh"
+#include "../softmax.cuh"
+
+namespace flash {
+
+// One forward block's share of the problem: rows [i0, i1) of head hv (rows_valid = i1 - i0
+// of them inside q_len), keys [lo, hi) that causal and window leave them, and the first
+// element of this head's Q rows, K and V rows (from column dv0 of this block's Dv chunk;
+// dv_load of them stored).
+template <typename T>
+struct FwdBlock {
+    const Params& p;
+    const HeadView& hv;
+    int warp;
+    int i0, i1, rows_valid;
+    int lo, hi;
+    const T* gQ;
+    const T* gK;
+    const T* gV;
+    int dv_load;
+};
+
+// The key tiles of a block: starts at multiples of BLOCK_N (keys before lo are masked by the
+// band test: dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned),
+// skipping tiles the score modifiers rule out, and their copies into shared memory.
+template <typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc>
+struct KeyTiles {
+    const FwdBlock<T>& b;
+    const Sc& scores;
+
+    __device__ __forceinline__ int first() const {
+        return scores.template next_live_tile<BLOCK_N>(b.i0, b.i1, b.lo - b.lo % BLOCK_N, b.hi);
+    }
+    // The live key tile after tile j, or hi when there is none (j >= hi included).
+    __device__ __forceinline__ int next(int j) const {
+        return j < b.hi ? scores.template next_live_tile<BLOCK_N>(b.i0, b.i1, j + BLOCK_N, b.hi) : b.hi;
+    }
+    // Copies of key tile j of K or V into the tile at s (keys past hi zero-filled, nothing
+    // when j >= hi).
+    __device__ __forceinline__ void load_k(T* s, int j) const {
+        if (j < b.hi) KTile::template load<THREADS>(s, b.gK + j * b.p.k_sr, b.p.k_sr, b.hi - j, b.p.d);
+    }
+    __device__ __forceinline__ void load_v(T* s, int j) const {
+        if (j < b.hi) VTile::template load<THREADS>(s, b.gV + j * b.p.v_sr, b.p.v_sr, b.hi - j, b.dv_load);
+    }
+};
+
+// S = Q K^T for the calling warp's rows with the policy's own product, ready to read: a
+// warpgroup product is issued and waited for at once (the overlapped Hopper loop in
+// flash_fwd issues and waits for its products itself).
+template <typename Policy, int BLOCK_M, int HD, int BLOCK_N, typename QTile, typename KTile, typename T, typename Acc,
+          int MI>
+__device__ __forceinline__ void qk(const T* sQ, int warp, const T* sK, Acc (&s)[MI][BLOCK_N / 8][4]) {
+    if constexpr (Policy::WARPGROUP) {
+        static_assert(MI == 1, "a warp owns 16 rows of its warpgroup's 64");
+        Policy::template qk_issue<BLOCK_M, HD, BLOCK_N>(sQ, sK, s);
+        wgmma_wait<0>();
+        fence_regs(s[0]);
+    } else {
+        Policy::template qk<HD, BLOCK_N, QTile::LD, KTile::LD>(sQ + 16 * MI * warp * QTile::LD, sK, s);
+    }
+}
+
+// O += P V with the policy's own product (a warpgroup product waited for, as in qk).
+template <typename Policy, int BLOCK_N, int DV, typename VTile, typename PFrag, typename T, typename Acc, int MI>
+__device__ __forceinline__ void pv(PFrag& pf, const T* sV, Acc (&o)[MI][DV / 8][4]) {
+    if constexpr (Policy::WARPGROUP) {
+        Policy::template pv_issue<BLOCK_N, DV>(pf, sV, o);
+        wgmma_wait<0>();
+        fence_regs(o[0]);
+        fence_regs(pf[0]);
+    } else {
+        Policy::template pv<BLOCK_N, DV, VTile::LD>(pf, sV, o);
+    }
+}
+
+}  // namespace flash
