@@ -555,7 +555,7 @@ def host_array(x: Any, dtype: str) -> np.ndarray:
     from flashcupy import testing
 
     wide = as_torch(x).to(torch.float64 if dtype == "float64" else torch.float32)
-    return wide.cpu().numpy().astype(testing.DTYPES[dtype])
+    return wide.detach().cpu().numpy().astype(testing.DTYPES[dtype])
 
 
 def rule_check(config: Config, x: Inputs, results: Sequence[Any]) -> str:

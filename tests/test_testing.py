@@ -369,7 +369,7 @@ def test_cupy_arrays_through_the_cuda_backend() -> None:
 
 def sdpa(q, k, v, causal: Any = False, scale: float | None = None, mask=None, bias=None):
     """PyTorch SDPA in flashcupy's conventions: (out, vjp). GQA by repeating k and v; causal
-    bottom-right and fully masked rows (out = 0) through an explicit boolean mask; the bias
+    with Lq != Lk and fully masked rows (out = 0) through an explicit boolean mask; the bias
     in q's dtype (SDPA's float masks share the query's dtype)."""
     import torch
 
@@ -377,11 +377,12 @@ def sdpa(q, k, v, causal: Any = False, scale: float | None = None, mask=None, bi
     group = q.shape[-3] // k.shape[-3]
     kk, vv = (x.repeat_interleave(group, dim=-3) for x in (k, v))
     lq, lk = q.shape[-2], k.shape[-2]
-    is_causal = causal == "top_left" and mask is None and bias is None  # SDPA's own causal mask is top-left
+    # SDPA's is_causal where both alignments agree (Lq == Lk), else the mask written out
+    is_causal = bool(causal) and lq == lk and mask is None and bias is None
     allowed = mask
     if causal and not is_causal:
         diagonal = 0 if causal == "top_left" else lk - lq
-        tri = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal)
+        tri = torch.arange(lk, device=q.device) <= torch.arange(lq, device=q.device)[:, None] + diagonal
         allowed = tri if allowed is None else allowed & tri
     live = None
     if allowed is not None:
@@ -405,5 +406,11 @@ def test_torch_sdpa_passes_for_the_options_it_supports() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch sees no CUDA device")
-    check_attention_impl(sdpa, options=("causal", "mask", "bias", "scale", "gqa", "value_dim", "strided"),
+
+    def torch_sdpa(q, k, v, **options):
+        assert isinstance(q, torch.Tensor) and q.is_cuda
+        assert all(isinstance(x, torch.Tensor) for x in options.values() if hasattr(x, "shape"))
+        return sdpa(q, k, v, **options)
+
+    check_attention_impl(torch_sdpa, options=("causal", "mask", "bias", "scale", "gqa", "value_dim", "strided"),
                          max_examples=40, grads=True, array="torch", max_len=300, seed=12)
