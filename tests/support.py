@@ -56,7 +56,7 @@ def cpu_tiles(tiles: tuple[int, int] | None):
         yield
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class Case(AttentionProblem):
     """A drawn problem (:class:`flashcupy.testing.AttentionProblem`: q, k, v, dout, options)
     and the CPU backend's tiles to force, if any."""

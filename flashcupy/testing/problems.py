@@ -50,7 +50,7 @@ HEAD_DIMS = (1, 3, 8, 16, 40, 59, 64, 80, 96, 111, 128, 256)
 EXTRA = "pip install 'flashcupy[testing]'"
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class AttentionProblem:
     """One drawn problem: q (..., Hq, Lq, D), k (..., Hk, Lk, D), v (..., Hk, Lk, Dv) and an
     output gradient dout (..., Hq, Lq, Dv), NumPy arrays of one dtype, and the keyword
