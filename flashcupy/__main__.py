@@ -31,8 +31,7 @@ import ml_dtypes
 import numpy as np
 
 import flashcupy
-from flashcupy import api, interop, reference
-from flashcupy.problem import make_host_problem
+from flashcupy import api, interop, testing
 
 DTYPES = {
     "float16": np.dtype(np.float16),
@@ -69,15 +68,6 @@ def _synchronizer(on_gpu: bool) -> Callable[[], None]:
     import cupy
 
     return lambda: cupy.cuda.get_current_stream().synchronize()
-
-
-# --------------------------------------------------------------------------- tolerance
-
-
-def tolerance(q: np.ndarray, k: np.ndarray, v: np.ndarray, ref: np.ndarray, options: dict[str, Any]) -> float:
-    """The bound of design.md section 4 (:func:`flashcupy.reference.tolerance`) for this call."""
-    naive, _ = reference.forward(make_host_problem(q, k, v, options), compute_dtype=q.dtype)
-    return reference.tolerance(ref, naive, q.dtype)
 
 
 # --------------------------------------------------------------------------- demo
@@ -120,19 +110,17 @@ def demo(args: argparse.Namespace) -> int:
         times.append(time.perf_counter() - t0)
     ms = 1e3 * statistics.median(times)
 
-    out = interop.to_numpy(out)
-    ref = flashcupy.attention_reference(q, k, v, **options)
-    err = float(np.max(np.abs(out.astype(np.float64) - ref)))
-    tol = tolerance(q, k, v, ref, options)
-    ok = bool(err <= tol)  # False for NaN too
+    result = testing.attention_close(interop.to_numpy(out), q, k, v, **options)
 
     flops = 4.0 * args.batch * args.heads * args.L * args.L * args.D * (0.5 if args.causal else 1.0)
-    print(f"max |out - reference|: {err:.3e}")
-    print(f"tolerance:             {tol:.3e}  (2 * naive {args.dtype} error + rounding floor)")
+    print(f"max |out - reference|: {result.error:.3e}")
+    print(f"tolerance:             {result.bound:.3e}  (2 * naive {args.dtype} error + rounding floor)")
     print(f"time:                  {ms:.2f} ms (median of {args.repeats} after a warm-up), "
           f"{flops / (ms * 1e-3) / 1e9:.1f} GFLOP/s")
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    if not result.ok:
+        print(result.message)
+    print("PASS" if result.ok else "FAIL")
+    return 0 if result.ok else 1
 
 
 # --------------------------------------------------------------------------- info
@@ -336,26 +324,6 @@ def info(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- check
 
 
-def compare(ours: Any, ref: np.ndarray, naive: np.ndarray, dtype: Any,
-            magnitude: float = 0.0) -> tuple[float, float, str]:
-    """(max error, bound, problem or '') of one result under the tolerance rule: the same shape
-    and non-finite pattern as the reference, max |ours - ref| <= reference.tolerance, and
-    below 1e-9 for float64."""
-    ours = np.asarray(interop.to_numpy(ours), dtype=np.float64)
-    if ours.shape != ref.shape:
-        return float("nan"), 0.0, f"shape {ours.shape} != {ref.shape}"
-    finite = np.isfinite(ref)
-    if not np.array_equal(np.isfinite(ours), finite) or not np.array_equal(ours[~finite], ref[~finite]):
-        return float("nan"), 0.0, "non-finite entries differ from the reference"
-    if not finite.any():
-        return 0.0, 0.0, ""
-    err = float(np.max(np.abs(ours[finite] - ref[finite])))
-    bound = reference.tolerance(ref, naive, dtype, magnitude)
-    if np.dtype(dtype) == DTYPES["float64"]:
-        bound = min(bound, 1e-9)
-    return err, bound, "" if err <= bound else "error above the bound"
-
-
 def _check_case(label: str, dtype: np.dtype, shape_q: tuple, shape_kv: tuple, dv: int | None = None,
                 **options: Any) -> dict[str, Any]:
     """Inputs of one self-test case (seeded by its label)."""
@@ -413,20 +381,14 @@ def run_check_case(case: dict[str, Any], backend: str) -> list[tuple[str, float,
     out, lse = flashcupy.flash_attention_forward(q, k, v, backend=backend, **options)
     grads = flashcupy.flash_attention_backward(dout, q, k, v, out, lse, bias_grad=bias_grad, backend=backend,
                                                **options)
-    pb = make_host_problem(q, k, v, options)
-    refs = []
-    for compute in (np.float64, dtype):  # the reference, then naive attention in the input dtype
-        o, l = reference.forward(pb, compute)
-        refs.append(dict(out=o, lse=l, **dict(zip(("dq", "dk", "dv", "dbias"), reference.backward(pb, dout, compute)))))
-    ref, naive = refs
-    terms = reference.cancelling_terms(q, k, dout, ref["out"], options.get("scale"))
+    ref, naive = testing.reference_results(q, k, v, options, dout)
+    terms = testing.cancelling_terms(q, k, dout, ref["out"], options.get("scale"))
     ours = dict(zip(("out", "lse", "dq", "dk", "dv", "dbias"), (out, lse) + tuple(grads)))
     results = []
     for name, x in ours.items():
-        floor_dtype = dtype
-        if name == "dbias":  # accumulated in float32, rounded like q's dtype or the bias's: the wider floor
-            floor_dtype = max(dtype, options["bias"].dtype, key=lambda d: reference.ROUNDING_FLOOR[np.dtype(d)])
-        results.append((name, *compare(x, ref[name], naive[name], floor_dtype, terms.get(name, 0.0))))
+        rule_dtype = testing.floor_dtype(dtype, options["bias"].dtype) if name == "dbias" else dtype
+        results.append((name, *testing.compare(interop.to_numpy(x), ref[name], naive[name], rule_dtype,
+                                               terms.get(name, 0.0), name=name)))
     return results
 
 

@@ -6,9 +6,10 @@ matrix. It shares only argument validation (:mod:`flashcupy.problem`) and the
 dropout bits (:mod:`flashcupy.rng`) with the backends; the maths is its own.
 
 ``compute_dtype`` gives the "naive attention in the input dtype" that the
-tolerance rule of design.md section 4 compares against: arithmetic in float32
-(float64 for float64), as PyTorch computes float16 and bfloat16 products, and
-every intermediate (scores, probabilities, products) rounded to the dtype.
+tolerance rule of design.md section 4 (:mod:`flashcupy.testing.rule`) compares
+against: arithmetic in float32 (float64 for float64), as PyTorch computes
+float16 and bfloat16 products, and every intermediate (scores, probabilities,
+products) rounded to the dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from scipy.special import logsumexp
 
@@ -210,53 +210,6 @@ def _host_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem:
 
 def _squeeze(pb: Problem, *arrays: np.ndarray | None):
     return tuple(a[0] if (pb.squeeze_head and a is not None) else a for a in arrays)
-
-
-#: Rounding floor of the tolerance rule, relative to max(1, max |ref|): about one
-#: unit in the last place for float16 and bfloat16 outputs. float32 gets 2^-17:
-#: a FlashAttention backward recomputes P = exp(S - lse) from a float32
-#: log-sum-exp, whose absolute error |lse| * 2^-24 becomes relative error in P
-#: (2^-19 for logits near 32), which plain softmax does not pay. float64: far
-#: below the 1e-9 acceptance bound, far above its accumulation error.
-ROUNDING_FLOOR = {
-    np.dtype(np.float16): 2.0**-10,
-    np.dtype(ml_dtypes.bfloat16): 2.0**-7,
-    np.dtype(np.float32): 2.0**-17,
-    np.dtype(np.float64): 2.0**-40,
-}
-
-
-def tolerance(ref: np.ndarray, naive: np.ndarray, dtype: Any, magnitude: float = 0.0) -> float:
-    """The bound of design.md section 4 on max |ours - ref| over ref's finite entries.
-
-    2 * max |naive - ref| + ROUNDING_FLOOR[dtype] * max(1, max |ref|, magnitude),
-    with ``naive`` plain attention in the input dtype (:func:`forward` with
-    ``compute_dtype``) and ``magnitude`` the size of terms that cancel in the
-    result, where that exceeds the result itself.
-    """
-    finite = np.isfinite(ref)
-    if not finite.any():
-        return 0.0
-    with np.errstate(invalid="ignore"):
-        naive_err = np.nan_to_num(np.abs(np.asarray(naive, np.float64) - ref), nan=0.0)[finite].max()
-    scale = max(1.0, float(np.abs(ref[finite]).max()), magnitude)
-    return float(2 * naive_err + ROUNDING_FLOOR[np.dtype(dtype)] * scale)
-
-
-def cancelling_terms(q: Any, k: Any, dout: Any, out_ref: np.ndarray, scale: float | None = None) -> dict[str, float]:
-    """Magnitudes of the terms that cancel in dS = P (dP - D), per gradient: the
-    ``magnitude`` argument of :func:`tolerance` for dq, dk, dv and dbias.
-
-    FlashAttention's backward takes D = rowsum(dO * O) from O rounded to the output
-    dtype, so where dP - D cancels (a row attending one key has dS = 0 exactly) the
-    gradient keeps a residual of |dO| |O| ulp: an error of the algorithm, relative to
-    these terms rather than to the (near-zero) result. ``out_ref`` is the float64 out.
-    """
-    o = np.abs(np.asarray(out_ref, np.float64))
-    t = float(np.max(np.sum(np.abs(np.asarray(dout, np.float64)) * o, axis=-1), initial=0.0))
-    scale = abs(scale or 1.0 / np.sqrt(np.shape(q)[-1]))
-    big = lambda x: float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))  # noqa: E731
-    return {"dq": scale * t * big(k), "dk": scale * t * big(q), "dv": 0.0, "dbias": t}
 
 
 def attention_reference(q: Any, k: Any, v: Any, **options: Any):

@@ -28,8 +28,10 @@ from hypothesis.extra import numpy as hnp
 import flashcupy as fc
 from flashcupy import interop, reference
 from flashcupy.problem import make_host_problem
+from flashcupy.testing import DTYPES, attention_problems
 
-F16, BF16, F32, F64 = (np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
+F16, BF16, F64 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64)
+DTYPE_NAMES = tuple(DTYPES)
 
 GPU = interop.gpu_usable()  # also imports CuPy now, not inside a timed example
 FUZZ = settings(deadline=2000, suppress_health_check=[HealthCheck.too_slow])
@@ -211,19 +213,22 @@ def test_arrays_on_another_device_or_host_mix():
 # --------------------------------------------------------------------------- (b) extreme values
 
 
+#: Shapes of the extreme and poisoned problems: D as in the kernels' smallest and usual tiles.
+FUZZ_HEAD_DIMS = (1, 8, 40, 64)
+
+
 @st.composite
 def extreme_cases(draw):
-    """(q, k, v, dout, options): valid inputs at the edges of the dtypes and options."""
+    """(q, k, v, dout, options): valid inputs at the edges of the dtypes and options, made from a
+    public attention problem (shapes, GQA, Dv) whose values are pushed to the edge."""
     kind = draw(st.sampled_from(["fp16_scores", "scale_big", "scale_tiny", "one_key", "softcap", "tiny_shapes"]))
-    dtype = F16 if kind == "fp16_scores" else draw(st.sampled_from([F16, BF16, F32, F64]))
-    lq = draw(st.sampled_from([1, 2, 17, 70]))
-    lk = draw(st.sampled_from([1, 3, 17, 70]))
-    d = 1 if kind == "tiny_shapes" else draw(st.sampled_from([1, 8, 64]))
-    dv = draw(st.sampled_from([1, d]))
+    problem = draw(attention_problems(
+        dtypes=("float16",) if kind == "fp16_scores" else DTYPE_NAMES, options=("gqa", "value_dim"), max_len=70,
+        head_dims=(1,) if kind == "tiny_shapes" else FUZZ_HEAD_DIMS))
     rs = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q, k, v, dout = (x.astype(np.float64) for x in (problem.q, problem.k, problem.v, problem.dout))
+    d, lq, lk = q.shape[-1], q.shape[-2], k.shape[-2]
     options: dict[str, Any] = {}
-    q = rs.standard_normal((1, 2, lq, d))
-    k = rs.standard_normal((1, 2, lk, d))
     if kind == "fp16_scores":  # |q| = |k| ~ sqrt(6e4 / d) per element: q . k up to ~6e4
         mag = math.sqrt(6e4 / d)
         q, k = np.sign(q) * mag, np.sign(k) * mag
@@ -233,7 +238,7 @@ def extreme_cases(draw):
     elif kind == "scale_tiny":
         options["scale"] = draw(st.sampled_from([1e-8, -1e-8, 0.0]))
     elif kind == "one_key":  # exactly one key per row
-        mask = np.zeros((1, 2, lq, lk), bool)
+        mask = np.zeros(q.shape[:-1] + (lk,), bool)
         mask[..., np.arange(lq), rs.integers(0, lk, lq)] = True
         options["mask"] = mask
     elif kind == "softcap":
@@ -241,9 +246,8 @@ def extreme_cases(draw):
         q, k = q * 30, k * 30
     elif kind == "tiny_shapes":
         options["causal"] = draw(st.sampled_from([False, True]))
-    v = rs.standard_normal((1, 2, lk, dv)) * draw(st.sampled_from([1.0, 100.0]))
-    dout = rs.standard_normal((1, 2, lq, dv))
-    return tuple(x.astype(dtype) for x in (q, k, v, dout)) + (options,)
+    v = v * draw(st.sampled_from([1.0, 100.0]))
+    return tuple(x.astype(problem.dtype) for x in (q, k, v, dout)) + (options,)
 
 
 def _check_extreme(q, k, v, dout, options, backend, xp):
@@ -307,26 +311,13 @@ def test_extreme_values_cuda(case):
 
 @st.composite
 def poison_cases(draw):
-    """(q, k, v, options, where, value): a clean problem, and one element to poison."""
-    dtype = draw(st.sampled_from([F16, BF16, F32, F64]))
-    lq, lk = draw(st.sampled_from([1, 5, 40, 70])), draw(st.sampled_from([1, 6, 40, 70]))
-    d = draw(st.sampled_from([1, 8, 40]))
-    rs = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    q = rs.standard_normal((2, 2, lq, d)).astype(dtype)
-    k = rs.standard_normal((2, 2, lk, d)).astype(dtype)
-    v = rs.standard_normal((2, 2, lk, d)).astype(dtype)
-    options: dict[str, Any] = {}
-    if draw(st.booleans()):
-        options["mask"] = rs.random((2, 2, lq, lk)) < draw(st.sampled_from([0.3, 0.8]))
-    if draw(st.booleans()):
-        options["causal"] = draw(st.sampled_from([True, "top_left"]))
-    if draw(st.booleans()):
-        options["kv_lengths"] = rs.integers(0, lk + 1, 2)
-        options["q_lengths"] = rs.integers(0, lq + 1, 2)
+    """(q, k, v, options, where, value): a public attention problem with masks, causal and lengths
+    (Hq = Hk, (B, H, L, D) arrays), and one element (array, b, h, position, column) to poison."""
+    q, k, v, options = draw(attention_problems(DTYPE_NAMES, ("mask", "causal", "lengths"), max_len=70,
+                                               head_dims=FUZZ_HEAD_DIMS[:3]))
     which = draw(st.sampled_from(["q", "k", "v"]))
-    n = lq if which == "q" else lk
-    where = (which, draw(st.integers(0, 1)), draw(st.integers(0, 1)), draw(st.integers(0, n - 1)),
-             draw(st.integers(0, d - 1)))
+    shape = {"q": q, "k": k, "v": v}[which].shape
+    where = (which,) + tuple(draw(st.integers(0, n - 1)) for n in shape)
     value = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
     return q, k, v, options, where, value
 

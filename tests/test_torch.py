@@ -18,6 +18,7 @@ import pytest
 
 import flashcupy as fc
 from flashcupy import api, reference
+from flashcupy.testing import tolerance
 
 torch = pytest.importorskip("torch")
 fct = importlib.import_module("flashcupy.torch")  # after the skip: it needs torch
@@ -310,7 +311,7 @@ def test_bfloat16_cpu_tensors_keep_their_dtype() -> None:
     assert all(x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad).all() for x in (q, k, v))
     ref = reference.attention_reference(*(x.detach().float().numpy() for x in (q, k, v)), causal=True)
     naive = _sdpa(*(x.detach() for x in (q, k, v)), causal=True)
-    bound = reference.tolerance(ref, naive.float().numpy(), np.dtype(ml_dtypes.bfloat16))
+    bound = tolerance(ref, naive.float().numpy(), np.dtype(ml_dtypes.bfloat16))
     assert _max_abs(out, torch.from_numpy(ref)) <= bound
 
 
@@ -408,7 +409,7 @@ def _gpu_problem(qs, ks, opts, dtype):
 def _assert_rule(label, ours, ref64, same, dtype):
     """design.md section 4: max |ours - ref64| <= 2 max |SDPA in the same dtype - ref64| + floor."""
     ref = ref64.detach().double().cpu().numpy()
-    bound = reference.tolerance(ref, same.detach().double().cpu().numpy(), NP_DTYPES[dtype])
+    bound = tolerance(ref, same.detach().double().cpu().numpy(), NP_DTYPES[dtype])
     err = _max_abs(ours.cpu(), ref64.cpu())
     assert err <= bound, f"{label}: max error {err:.3g} > bound {bound:.3g}"
 
