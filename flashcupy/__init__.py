@@ -8,6 +8,7 @@ from .api import (
     flash_attention_varlen,
     flash_attention_vjp,
 )
+from .explain import explain
 from .precompile import precompile
 from .reference import attention_reference
 
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "attention_reference",
     "dropout_mask",
+    "explain",
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_forward",
