@@ -124,6 +124,36 @@ struct DkdvStorage {
     __device__ __forceinline__ Acc* delta(int st = 0) { return reinterpret_cast<Acc*>(bytes + DELTA) + st * BLOCK_C; }
 };
 
+template <int BLOCK_R, int BLOCK_C>
+struct BwdKeyBlock;
+
+// One query tile of a dK/dV block: rows [i0, i1); once its products are issued, classify()
+// works out whether the block's keys see it whole and inside the band (`fast`: no element
+// needs a selection). The tile's head view and score modifiers are the caller's locals (a
+// struct holding both, one referring to the other, keeps the compiler from placing them in
+// registers).
+struct BwdQueryTile {
+    int i0, i1;
+    bool band;  // the tile crosses a causal or window edge
+    bool fast;
+
+    template <int BLOCK_R, int BLOCK_C>
+    __device__ __forceinline__ BwdQueryTile(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, int i0_)
+        : i0(i0_), i1(min(i0_ + BLOCK_C, blk.i_hi)) {}
+
+    template <int BLOCK_R, int BLOCK_C, typename Sc>
+    __device__ __forceinline__ void classify(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
+                                             const Sc& scores) {
+        // Full tile: BLOCK_C queries and BLOCK_R keys, tested on the unclamped ends. CUDA 13's
+        // NVRTC folded `keys_valid == BLOCK_R` (keys_valid = max(0, min(BLOCK_R, n))) to true
+        // with one key: the padding keys then took the fast path, P = exp2(0 - lse2) overflowed
+        // where lse < 0 and dQ = dS K came out NaN (tests/test_fuzz.py, fp16 scores of -6e4).
+        const bool full_tile = i0 + BLOCK_C <= blk.i_hi && blk.j0 + BLOCK_R <= blk.hv0.kv_len;
+        band = !tile_inside_band(blk.p, hv, i0, i1, blk.j0, blk.j0 + max(blk.keys_valid, 1));
+        fast = scores.plain && full_tile && !band;
+    }
+};
+
 // One dK/dV block: BLOCK_R keys from j0 (keys_valid of them inside kv_len) of key head hk of
 // batch entry b, gradient columns from c0 (chunk), and the query tiles it visits: the pairs
 // (query head hq of the group, first row i0) with i0 in [i_first, i_hi) in steps of BLOCK_C.
@@ -173,39 +203,46 @@ struct BwdKeyBlock {
         return true;
     }
 
-    // Locates the block (false: it has no keys), copies its K and V rows into sK and sV (one
-    // cp.async group) and works out which queries see them.
-    template <int CH, typename KTile, int THREADS, typename T>
-    __device__ __forceinline__ bool start(T* sK, T* sV) {
+    // Locates the block (false: it has no keys), copies its K and V rows into the storage's
+    // K and V tiles (one cp.async group) and works out which queries see them.
+    template <int CH, typename KTile, int THREADS, typename Storage>
+    __device__ __forceinline__ bool start(Storage& storage) {
+        using T = typename KTile::Element;
         if (!locate<CH>()) return false;
-        KTile::template load<THREADS>(sK, key_rows<T>(p.k, p.k_sb, p.k_sh, p.k_sr), p.k_sr, keys_valid, p.d);
-        KTile::template load<THREADS>(sV, key_rows<T>(p.v, p.v_sb, p.v_sh, p.v_sr), p.v_sr, keys_valid, p.dv_stored);
+        KTile::template load<THREADS>(storage.k(), key_rows<T>(p.k, p.k_sb, p.k_sh, p.k_sr), p.k_sr, keys_valid, p.d);
+        KTile::template load<THREADS>(storage.v(), key_rows<T>(p.v, p.v_sb, p.v_sh, p.v_sr), p.v_sr, keys_valid,
+                                      p.dv_stored);
         cp_async_commit();
         query_range();
         return true;
     }
 
-    // The walk over the block's query tiles, the skeleton every dK/dV mainloop shares:
-    // load(hq, i0, st) copies a tile into stage st; after_first() runs once the first tile's
-    // copies are issued; per tile, before_wait() runs before the block waits for the tile's
-    // copies (and every warp is done with the other stage and with dS^T), the next tile's
-    // copies go to the other stage (STAGES = 2), and body(hq, i0, st, next_hq, next_i0)
-    // computes the tile; with one stage, the body copies the next tile (next_hq < group) with
-    // load(next_hq, next_i0, 0) where the stage is free.
-    template <bool FULL, int STAGES, bool WARPGROUP, typename Load, typename AfterFirst, typename BeforeWait,
-              typename Body>
-    __device__ __forceinline__ void walk(Load load, AfterFirst after_first, BeforeWait before_wait, Body body) const {
+    // The walk over the block's query tiles, the skeleton every dK/dV mainloop shares. Each
+    // tile (query head hq, rows from i0) is copied into a stage of the storage (QTile layout,
+    // THREADS threads); after_first() runs once the first tile's copies are issued; per tile,
+    // before_wait() runs before the block waits for the tile's copies (and for every warp to
+    // be done with the other stage and with dS^T), the next tile's copies go to the other
+    // stage (STAGES = 2), and body(hv, scores, tile, st, next_hq, next_i0) computes the tile
+    // from stage st, with the query head's view, its score modifiers and its rows; with one
+    // stage, the body copies the next tile (next_hq < group) into it where the stage is free.
+    template <typename Acc, bool FULL, int STAGES, bool WARPGROUP, typename QTile, int THREADS, typename Storage,
+              typename AfterFirst, typename BeforeWait, typename Body>
+    __device__ __forceinline__ void walk(Storage& storage, AfterFirst after_first, BeforeWait before_wait,
+                                         Body body) const {
         int hq = 0, i0 = i_first, st = 0;
         advance<FULL>(hq, i0);
-        if (hq < group) load(hq, i0, 0);
+        if (hq < group) load_queries<QTile, THREADS>(storage, hq, i0, 0);
         after_first();
         while (hq < group) {
             int next_hq = hq, next_i0 = i0 + BLOCK_C;
             advance<FULL>(next_hq, next_i0);
             before_wait();
             wait_tiles<0, WARPGROUP>();  // tile (hq, i0) has landed; every warp is done with the other stage and dS^T
-            if (STAGES == 2 && next_hq < group) load(next_hq, next_i0, st ^ 1);
-            body(hq, i0, st, next_hq, next_i0);
+            if (STAGES == 2 && next_hq < group) load_queries<QTile, THREADS>(storage, next_hq, next_i0, st ^ 1);
+            const HeadView hv = query_head(hq);
+            const Scores<Acc, FULL> scores(p, hv);
+            BwdQueryTile tile(*this, i0);
+            body(hv, scores, tile, st, next_hq, next_i0);
             hq = next_hq;
             i0 = next_i0;
             st ^= STAGES - 1;
@@ -281,33 +318,6 @@ struct BwdKeyBlock {
     template <typename Acc>
     __device__ __forceinline__ Acc* dq_rows(const HeadView& hv) const {
         return static_cast<Acc*>(bp.dq_accum) + (packed ? hv.q_start * bp.dqa_sr : hv.b * bp.dqa_sb) + hv.h * bp.dqa_sh;
-    }
-};
-
-// One query tile of a dK/dV block: rows [i0, i1); once its products are issued, classify()
-// works out whether the block's keys see it whole and inside the band (`fast`: no element
-// needs a selection). The tile's head view and score modifiers are the caller's locals (a
-// struct holding both, one referring to the other, keeps the compiler from placing them in
-// registers).
-struct BwdQueryTile {
-    int i0, i1;
-    bool band;  // the tile crosses a causal or window edge
-    bool fast;
-
-    template <int BLOCK_R, int BLOCK_C>
-    __device__ __forceinline__ BwdQueryTile(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, int i0_)
-        : i0(i0_), i1(min(i0_ + BLOCK_C, blk.i_hi)) {}
-
-    template <int BLOCK_R, int BLOCK_C, typename Sc>
-    __device__ __forceinline__ void classify(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
-                                             const Sc& scores) {
-        // Full tile: BLOCK_C queries and BLOCK_R keys, tested on the unclamped ends. CUDA 13's
-        // NVRTC folded `keys_valid == BLOCK_R` (keys_valid = max(0, min(BLOCK_R, n))) to true
-        // with one key: the padding keys then took the fast path, P = exp2(0 - lse2) overflowed
-        // where lse < 0 and dQ = dS K came out NaN (tests/test_fuzz.py, fp16 scores of -6e4).
-        const bool full_tile = i0 + BLOCK_C <= blk.i_hi && blk.j0 + BLOCK_R <= blk.hv0.kv_len;
-        band = !tile_inside_band(blk.p, hv, i0, i1, blk.j0, blk.j0 + max(blk.keys_valid, 1));
-        fast = scores.plain && full_tile && !band;
     }
 };
 

@@ -49,19 +49,18 @@ struct BwdSplitRoles {
         constexpr int NT = BLOCK_C / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
+        const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const int kw = warp % KW, role = warp / KW;  // this warp's keys and role
+        if (!blk.template start<CH, KTile, kThreads>(storage)) return;
         T* sK = storage.k();
         T* sV = storage.v();
         PElem* sdS = storage.ds();
         Acc* sP = storage.handoff();  // P^T, each thread's elements in its accumulator order, lane-minor
-        const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-        const int kw = warp % KW, role = warp / KW;  // this warp's keys and role
-        if (!blk.template start<CH, KTile, kThreads>(sK, sV)) return;
 
         const int r0 = blk.j0 + 16 * kw + g;  // this thread's keys: r0 and r0 + 8
         Acc dkv[1][CH / 8][4];  // dV (role 0) or dK (role 1)
         zero_acc(dkv);
 
-        auto load = [&](int hq, int i0, int st) { blk.template load_queries<QTile, kThreads>(storage, hq, i0, st); };
         // Byte offset of chunk c of row r in a padded tile (tf32_split_chunks)
         auto padded_chunk = [](int r, int c) { return static_cast<int>(sizeof(T)) * (r * LD + 4 * c); };
         // PRESPLIT: each thread splits the chunks it copied: K and V before the first tile, then each
@@ -81,11 +80,9 @@ struct BwdSplitRoles {
                 tf32_split_chunks<BLOCK_C, HD / 4, kThreads>(storage.dout(), storage.dout() + LO, padded_chunk);
             }
         };
-        blk.template walk<false, STAGES, false>(load, split_keys, split_queries, [&](int hq, int i0, int st, int next_hq,
-                                                                         int next_i0) {
-            const HeadView hv = blk.query_head(hq);
-            const Scores<Acc, false> scores(p, hv);
-            BwdQueryTile tile(blk, i0);
+        blk.template walk<Acc, false, STAGES, false, QTile, kThreads>(storage, split_keys, split_queries, [&](
+            const HeadView& hv, const Scores<Acc, false>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
+            const int i0 = tile.i0;
             const T* sQt = storage.q(st);
             const T* sdOt = storage.dout(st);
 
@@ -139,12 +136,13 @@ struct BwdSplitRoles {
                 Policy::template pv<BLOCK_C, CH, LD>(pf, (role == 0 ? sdOt : sQt) + blk.c0, dkv);
             if (role == 1) Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * kw * LDS);
             __syncthreads();  // dS^T of every key of the block is in sdS
-            if (PRESPLIT && next_hq < blk.group) load(next_hq, next_i0, 0);  // copied during dQ
+            if (PRESPLIT && next_hq < blk.group)  // copied during dQ
+                blk.template load_queries<QTile, kThreads>(storage, next_hq, next_i0, 0);
             warp_dq<One, false, WARPS, HD, CH, BLOCK_R, BLOCK_C, LD, LDS, LO>(
                 bp, sdS, sK, blk.c0, warp, blk.template dq_rows<Acc>(hv), i0, tile.i1);
             if (!PRESPLIT && STAGES == 1 && next_hq < blk.group) {
                 __syncthreads();  // every warp is done with the stage
-                load(next_hq, next_i0, 0);
+                blk.template load_queries<QTile, kThreads>(storage, next_hq, next_i0, 0);
             }
         });
         // Each warp writes its own gradient only; dK needs no scale (dS^T carries it).

@@ -43,11 +43,11 @@ struct BwdWarp {
         constexpr int NT = BLOCK_C / 8, NC = CH / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
-        T* sK = storage.k();
-        T* sV = storage.v();
-        PElem* sdS = storage.ds();
         const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-        if (!blk.template start<CH, KTile, kThreads>(sK, sV)) return;
+        if (!blk.template start<CH, KTile, kThreads>(storage)) return;
+        const T* sK = storage.k();
+        const T* sV = storage.v();
+        PElem* sdS = storage.ds();
 
         const int r0 = blk.j0 + 16 * MI * warp + g;  // this thread's keys: r0 + 16 mi and r0 + 16 mi + 8
         Acc dv[MI][NC][4], dk[MI][NC][4];
@@ -55,13 +55,10 @@ struct BwdWarp {
         zero_acc(dv);
         const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
 
-        auto load = [&](int hq, int i0, int st) { blk.template load_queries<QTile, kThreads>(storage, hq, i0, st); };
         auto nothing = [] {};
-        blk.template walk<FULL, STAGES, false>(load, nothing, nothing, [&](int hq, int i0, int st, int next_hq,
-                                                                         int next_i0) {
-            const HeadView hv = blk.query_head(hq);
-            const Scores<Acc, FULL> scores(p, hv);
-            BwdQueryTile tile(blk, i0);
+        blk.template walk<Acc, FULL, STAGES, false, QTile, kThreads>(storage, nothing, nothing, [&](
+            const HeadView& hv, const Scores<Acc, FULL>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
+            const int i0 = tile.i0;
             const T* sQt = storage.q(st);
             const T* sdOt = storage.dout(st);
 
@@ -107,7 +104,7 @@ struct BwdWarp {
             }
             if (STAGES == 1 && next_hq < blk.group) {
                 __syncthreads();  // every warp is done with the stage
-                load(next_hq, next_i0, 0);
+                blk.template load_queries<QTile, kThreads>(storage, next_hq, next_i0, 0);
             }
         });
         store_dkdv<T>(blk, r0, t, static_cast<Acc>(p.scale), min(CH, bp.d_true - blk.c0), min(CH, p.dv - blk.c0), dk,

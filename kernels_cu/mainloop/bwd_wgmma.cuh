@@ -41,24 +41,21 @@ struct BwdWgmma {
         constexpr int NT = BLOCK_C / 8, NC = CH / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
-        T* sK = storage.k();
-        T* sV = storage.v();
-        T* sdS = storage.ds();
         const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-        if (!blk.template start<CH, KTile, kThreads>(sK, sV)) return;
+        if (!blk.template start<CH, KTile, kThreads>(storage)) return;
+        const T* sK = storage.k();
+        const T* sV = storage.v();
+        T* sdS = storage.ds();
 
         const int r0 = blk.j0 + 16 * warp + g;  // this thread's keys: r0 and r0 + 8
         Acc dv[1][NC][4], dk[1][NC][4];
         zero_acc(dk);
         zero_acc(dv);
 
-        auto load = [&](int hq, int i0, int st) { blk.template load_queries<QTile, kThreads>(storage, hq, i0, st); };
         auto nothing = [] {};
-        blk.template walk<false, STAGES, true>(load, nothing, nothing, [&](int hq, int i0, int st, int next_hq,
-                                                                         int next_i0) {
-            const HeadView hv = blk.query_head(hq);
-            const Scores<Acc, false> scores(p, hv);
-            BwdQueryTile tile(blk, i0);
+        blk.template walk<Acc, false, STAGES, true, QTile, kThreads>(storage, nothing, nothing, [&](
+            const HeadView& hv, const Scores<Acc, false>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
+            const int i0 = tile.i0;
             const T* sQt = storage.q(st);
             const T* sdOt = storage.dout(st);
 
@@ -91,7 +88,8 @@ struct BwdWgmma {
             if constexpr (STAGES == 1) wgmma_wait<0>();
             fence_proxy_async();
             __syncthreads();  // dS^T of every key of the block is in sdS (one stage: free for the next tile)
-            if (STAGES == 1 && next_hq < blk.group) load(next_hq, next_i0, 0);  // copied during dQ
+            if (STAGES == 1 && next_hq < blk.group)  // copied during dQ
+                blk.template load_queries<QTile, kThreads>(storage, next_hq, next_i0, 0);
             // The dQ tile (BLOCK_C, CH): warpgroup w takes query block qb = w % QB (64 rows, the
             // qb-th slab of dS^T) and NQW columns from col0.
             constexpr int QB = BLOCK_C / 64, NQW = CH * QB / (WARPS / 4);

@@ -59,6 +59,15 @@ struct KeyTiles {
     }
 };
 
+// Copies the block's Q rows into sQ (QTile's layout; the caller commits the cp.async group)
+// and returns the block's key tiles.
+template <typename QTile, typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc>
+__device__ __forceinline__ KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc> start_tiles(T* sQ, const FwdBlock<T>& b,
+                                                                                      const Sc& scores) {
+    QTile::template load<THREADS>(sQ, b.gQ + b.i0 * b.p.q_sr, b.p.q_sr, b.rows_valid, b.p.d);
+    return KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc>{b, scores};
+}
+
 // S = Q K^T for the calling warp's rows with the policy's own product, ready to read: a
 // warpgroup product is issued and waited for at once (the overlapped Hopper loop in
 // flash_fwd issues and waits for its products itself).

@@ -43,12 +43,10 @@ struct FwdOverlap {
     static __device__ __forceinline__ bool run(SharedStorage& storage, const FwdBlock<T>& b, const Sc& scores,
                                                Softmax& softmax, float (&o)[1][DV / 8][4]) {
         constexpr int NT = BLOCK_N / 8;  // accumulator tiles of S per warp
-        const Params& p = b.p;
         T* sQ = storage.q;
         T* sK = storage.k[0];
         T* sV = storage.v[0];
-        QTile::template load<kThreads>(sQ, b.gQ + b.i0 * p.q_sr, p.q_sr, b.rows_valid, p.d);
-        const KeyTiles<KTile, VTile, BLOCK_N, kThreads, T, Sc> tiles{b, scores};
+        const auto tiles = start_tiles<QTile, KTile, VTile, BLOCK_N, kThreads>(sQ, b, scores);
         const int j0 = tiles.first();
         const int hi = b.hi;
         const int j1 = tiles.next(j0);

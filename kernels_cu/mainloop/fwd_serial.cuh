@@ -48,12 +48,10 @@ struct FwdSerial {
     static __device__ __forceinline__ bool run(SharedStorage& storage, const FwdBlock<T>& b, const Sc& scores,
                                                Softmax& softmax, Acc (&o)[MI][DV / 8][4]) {
         constexpr int NT = BLOCK_N / 8;  // accumulator tiles of S per warp
-        const Params& p = b.p;
         T* sQ = storage.q;
         T* sK = storage.k[0];
         T* sV = storage.v[0];
-        QTile::template load<kThreads>(sQ, b.gQ + b.i0 * p.q_sr, p.q_sr, b.rows_valid, p.d);
-        const KeyTiles<KTile, VTile, BLOCK_N, kThreads, T, Sc> tiles{b, scores};
+        const auto tiles = start_tiles<QTile, KTile, VTile, BLOCK_N, kThreads>(sQ, b, scores);
         int j0 = tiles.first();
         const int hi = b.hi;
         int j_pre = hi;  // STAGES = 2: the tile in flight to the other stage
