@@ -21,7 +21,7 @@ import numpy as np
 from scipy.special import logsumexp
 
 from . import interop, rng
-from .problem import Problem, check_backward_arrays, make_host_problem
+from .problem import Problem, check_backward_arrays, lse_dtype, make_host_problem
 
 
 @dataclass
@@ -281,6 +281,6 @@ def attention_reference_backward(dout: Any, q: Any, k: Any, v: Any, **options: A
     pb = _host_problem(q, k, v, options)
     dout = interop.to_numpy(dout)
     dout, _, _ = check_backward_arrays(
-        pb, dout.astype(pb.dtype), np.zeros(dout.shape, pb.dtype), np.zeros(dout.shape[:-1])
+        pb, dout.astype(pb.dtype), np.zeros(dout.shape, pb.dtype), np.zeros(dout.shape[:-1], lse_dtype(pb.dtype))
     )
     return _squeeze(pb, *backward(pb, dout))

@@ -27,8 +27,12 @@ MAX_HEAD_DIM = 512
 
 
 def dtype_name(dtype: Any) -> str:
-    """Human name of a dtype ('bfloat16' for ml_dtypes' bfloat16)."""
-    return np.dtype(dtype).name
+    """Human name of a dtype ('bfloat16' for ml_dtypes' bfloat16), with its byte order when
+    it is not the machine's ('float32 (big-endian)')."""
+    dtype = np.dtype(dtype)
+    if dtype.isnative:
+        return dtype.name
+    return f"{dtype.name} ({'big' if dtype.byteorder == '>' else 'little'}-endian)"
 
 
 def accumulator_dtype(dtype: np.dtype) -> np.dtype:

@@ -55,7 +55,9 @@ def host_array(name: str, x: Any) -> np.ndarray:
 
     Arrays of any kind and (nested) lists of numbers convert; other Python
     objects (None, dicts, strings, ragged lists) are rejected here with their
-    own description, rather than as an object or string array later.
+    own description, rather than as an object or string array later. Arrays in
+    the other byte order (big-endian data on a little-endian machine) are copied
+    into the native order, which is all the backends compute in.
     """
     try:
         arr = interop.to_numpy(x)
@@ -63,6 +65,8 @@ def host_array(name: str, x: Any) -> np.ndarray:
         raise TypeError(f"{name}: expected an array, received {describe(x)} ({exc})") from exc
     if not hasattr(x, "dtype") and arr.dtype.kind not in "biufc":
         raise TypeError(f"{name}: expected an array, received {describe(x)}")
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     return arr
 
 
