@@ -5,7 +5,7 @@
     python bench/bench_attention.py --dry-run                    # print the plan: no GPU, torch or CuPy
     python bench/plot.py bench/results/<gpu>-<yyyy-mm-dd>.json   # the PNG beside the JSON
 
-Grid (design.md section 5): for each dtype, head dim D, length L, causal flag
+Grid (docs/architecture.md#benchmarks): for each dtype, head dim D, length L, causal flag
 and mode (``--modes``, default fwd and bwd), B = tokens // L (at least 1) and
 H = hidden // D, q, k, v (and for bwd the output gradient dout) of shape
 (B, H, L, D) drawn by torch.randn on the GPU. flashcupy reads the same memory

@@ -144,7 +144,7 @@ def _synchronizer(on_gpu: bool) -> Callable[[], None]:
 
 
 def tolerance(q: np.ndarray, k: np.ndarray, v: np.ndarray, ref: np.ndarray, options: dict[str, Any]) -> float:
-    """The bound of design.md section 4 (:func:`flashcupy.reference.tolerance`) for this call."""
+    """The bound of docs/semantics.md#accuracy (:func:`flashcupy.reference.tolerance`) for this call."""
     naive, _ = reference.forward(make_host_problem(q, k, v, options), compute_dtype=q.dtype)
     return reference.tolerance(ref, naive, q.dtype)
 

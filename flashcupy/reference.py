@@ -1,4 +1,4 @@
-"""Dense float64 reference of design.md section 2, forward and analytic backward.
+"""Dense float64 reference of docs/semantics.md, forward and analytic backward.
 
 This is the oracle every backend is tested against, so it is written for
 clarity, not memory: it materialises the full (*batch, Hq, Lq, Lk) score
@@ -6,7 +6,7 @@ matrix. It shares only argument validation (:mod:`flashcupy.problem`) and the
 dropout bits (:mod:`flashcupy.rng`) with the backends; the maths is its own.
 
 ``compute_dtype`` gives the "naive attention in the input dtype" that the
-tolerance rule of design.md section 4 compares against: arithmetic in float32
+tolerance rule (docs/semantics.md#accuracy) compares against: arithmetic in float32
 (float64 for float64), as PyTorch computes float16 and bfloat16 products, and
 every intermediate (scores, probabilities, products) rounded to the dtype.
 """
@@ -227,7 +227,8 @@ ROUNDING_FLOOR = {
 
 
 def tolerance(ref: np.ndarray, naive: np.ndarray, dtype: Any, magnitude: float = 0.0) -> float:
-    """The bound of design.md section 4 on max |ours - ref| over ref's finite entries.
+    """The tolerance rule's bound (docs/semantics.md#accuracy) on max |ours - ref| over ref's
+    finite entries.
 
     2 * max |naive - ref| + ROUNDING_FLOOR[dtype] * max(1, max |ref|, magnitude),
     with ``naive`` plain attention in the input dtype (:func:`forward` with

@@ -1,4 +1,4 @@
-"""Shared test machinery: the tolerance rule of design.md section 4 and a
+"""Shared test machinery: the tolerance rule of docs/semantics.md#accuracy and a
 Hypothesis strategy that draws attention problems with every option.
 
 Backend-agnostic: a case holds NumPy inputs; tests pass them to any backend.
