@@ -5,7 +5,7 @@
     python bench/bench_attention.py --dry-run                    # print the plan: no GPU, torch or CuPy
     python bench/plot.py bench/results/<gpu>-<yyyy-mm-dd>.json   # the PNG beside the JSON
 
-Grid (design.md section 5): for each dtype, head dim D, length L, causal flag
+Grid (docs/architecture.md#benchmarks): for each dtype, head dim D, length L, causal flag
 and mode (``--modes``, default fwd and bwd), B = tokens // L (at least 1) and
 H = hidden // D, q, k, v (and for bwd the output gradient dout) of shape
 (B, H, L, D) drawn by torch.randn on the GPU. flashcupy reads the same memory
@@ -42,7 +42,7 @@ names it where it is not all). The relative Frobenius error ||x - ref|| /
 ||ref|| over the checked heads must stay below 2e-2 for float16/bfloat16, 1e-4
 for float32 and 1e-10 for float64, for gradients as for outputs; a row's
 rel_error is the largest of its results'. flashcupy must also pass the tests'
-tolerance rule (design.md section 4, flashcupy.testing): max |ours - ref| <= 2
+tolerance rule (docs/semantics.md#accuracy, flashcupy.testing): max |ours - ref| <= 2
 x the error of plain attention in the input dtype + a rounding floor, against
 the float64 reference. Both references are dense and computed on the host, so
 at L = 16k they are affordable on a few rows only: the rule checks the result
@@ -559,7 +559,7 @@ def host_array(x: Any, dtype: str) -> np.ndarray:
 
 
 def rule_check(config: Config, x: Inputs, results: Sequence[Any]) -> str:
-    """'' when flashcupy's ``results`` (of inputs ``x``) pass the tolerance rule of design.md
+    """'' when flashcupy's ``results`` (of inputs ``x``) pass the tolerance rule of docs/semantics.md#accuracy
     section 4 on config.rule_rows of config.rule_heads (rule_failure), else what fails."""
     import torch
 

@@ -13,6 +13,10 @@ Commands:
     precompile  compile the CUDA kernels ahead of first use (flashcupy.precompile).
     bench       run bench/bench_attention.py from a source checkout, passing the
                 remaining arguments through. Exit status 2 when the script is missing.
+
+A bad argument of any command is one line on stderr, ``python -m flashcupy <command>:
+error: <what was expected, what was received>``, and exit status 2, never a traceback:
+argparse's own errors and the commands' :class:`UsageError` go through :func:`main`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import numpy as np
 
 import flashcupy
 from flashcupy import api, interop, testing
+from flashcupy.cuda.spec import NoKernelError
+from flashcupy.problem import MAX_HEAD_DIM, Problem, make_host_problem
 
 DTYPES = {
     "float16": np.dtype(np.float16),
@@ -39,6 +45,58 @@ DTYPES = {
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
 }
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class UsageError(Exception):
+    """A bad command-line argument: :func:`main` prints ``<prog>: error: <message>`` as one
+    line on stderr and exits with status 2. ``prog`` defaults to the running command's."""
+
+    def __init__(self, message: str, prog: str | None = None):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors (unknown options, bad values, missing arguments) raise
+    :class:`UsageError` instead of printing the usage block and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)", self.prog)
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int in [low, high] (unbounded above when ``high`` is None)."""
+    what = (f"an int in {low}..{high}" if high is not None else
+            "a positive int" if low == 1 else f"an int >= {low}")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, received {text!r}")
+        return value
+
+    return parse
+
+
+_positive = _int_in(1)
+_head_dim = _int_in(1, MAX_HEAD_DIM)
+
+
+def checked_problem(shapes: Sequence[tuple[int, ...]], dtype: np.dtype, options: dict[str, Any]) -> Problem:
+    """The validated problem of q, k, v of these shapes and dtype with ``options``, from
+    zero-stride stand-ins (no memory is allocated): what a command checks before it builds
+    its arrays. The library's TypeError or ValueError becomes a :class:`UsageError`."""
+    standins = [np.broadcast_to(np.zeros((), dtype), shape) for shape in shapes]
+    try:
+        return make_host_problem(*standins, options)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
 
 
 # --------------------------------------------------------------------------- devices
@@ -52,6 +110,18 @@ def cuda_backend_available() -> bool:
         return api._backend("cuda") == "cuda"
     except (RuntimeError, ValueError):  # today: "no CUDA kernels yet"
         return False
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why the CUDA backend cannot run here, in words for a user; None when it can."""
+    if cuda_backend_available():
+        return None
+    _, why = _gpus()
+    if why == "CuPy is not installed":
+        return "CuPy is not installed (pip install 'flashcupy[cuda12]' or '[cuda13]' for the GPU backend)"
+    if why is not None and "InsufficientDriver" in why:
+        return f"CuPy found no NVIDIA driver, or one older than its CUDA runtime ({why})"
+    return f"no usable CUDA GPU ({why})" if why else "no usable CUDA GPU"
 
 
 def _gpu_name() -> str:
@@ -73,36 +143,70 @@ def _synchronizer(on_gpu: bool) -> Callable[[], None]:
 # --------------------------------------------------------------------------- demo
 
 
+#: Peak host memory of the dense float64 reference, in units of one (batch, heads, Lq, Lk)
+#: float64 array (measured with tracemalloc: 6.5); the demo checks its result against it.
+REFERENCE_SCORE_ARRAYS = 7
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_demo_memory(args: argparse.Namespace) -> None:
+    """A UsageError when the float64 reference of this demo cannot fit in the memory available."""
+    need = REFERENCE_SCORE_ARRAYS * args.batch * args.heads * args.L * args.L * 8
+    have = available_memory()
+    if have is not None and need > have:
+        raise UsageError(
+            f"--L {args.L} --batch {args.batch} --heads {args.heads}: the dense float64 reference the demo "
+            f"checks against needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB are available; "
+            "lower --L, --batch or --heads"
+        )
+
+
 def demo(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     shape_q = (args.batch, args.heads, args.L, args.D)
+    options: dict[str, Any] = {"causal": bool(args.causal)}
+    checked_problem([shape_q] * 3, dtype, options)
+    _check_demo_memory(args)
     rng = np.random.default_rng(args.seed)
     q, k, v = (rng.standard_normal(shape_q, dtype=np.float32).astype(dtype) for _ in range(3))
-    options: dict[str, Any] = {"causal": bool(args.causal)}
 
-    on_gpu = cuda_backend_available()
-    if on_gpu:
-        import cupy
-
-        inputs = tuple(cupy.asarray(x) for x in (q, k, v))
-        where = f"cuda ({_gpu_name()})"
-    else:
-        inputs = (q, k, v)
-        where = "cpu"
-    sync = _synchronizer(on_gpu)
-
+    why_not = gpu_unavailable_reason()
+    backend = "cpu" if why_not else "cuda"
     print(
         f"flashcupy {flashcupy.__version__} demo: q, k, v ({args.batch}, {args.heads}, {args.L}, {args.D}) "
         f"{args.dtype}, causal={bool(args.causal)}"
     )
-    print(f"backend: {where}")
+    if backend == "cuda":
+        import cupy
+
+        inputs = tuple(cupy.asarray(x) for x in (q, k, v))
+        print(f"backend: cuda ({_gpu_name()})")
+    else:
+        inputs = (q, k, v)
+        print(f"backend: cpu, because the GPU cannot be used: {why_not}")
 
     def run():
-        out = flashcupy.flash_attention(*inputs, backend="auto", **options)
-        sync()
+        out = flashcupy.flash_attention(*inputs, backend=backend, **options)
+        _synchronizer(backend == "cuda")()
         return out
 
-    out = run()  # warm-up (on a GPU: compilation and caches)
+    try:
+        out = run()  # warm-up (on a GPU: compilation and caches)
+    except NoKernelError as exc:  # no tile of this dtype and head dim fits the GPU's shared memory
+        backend, inputs = "cpu", (q, k, v)
+        print(f"backend: cpu instead, because no CUDA kernel fits: {exc}")
+        out = run()
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
@@ -393,15 +497,16 @@ def run_check_case(case: dict[str, Any], backend: str) -> list[tuple[str, float,
 
 
 def check(args: argparse.Namespace) -> int:
-    backend = args.backend
-    if backend == "auto":
-        backend = "cuda" if cuda_backend_available() else "cpu"
-    if backend == "cuda" and not cuda_backend_available():
-        print("flashcupy check: --backend cuda, but no usable CUDA GPU here", file=sys.stderr)
-        return 1
+    why_not = gpu_unavailable_reason()
+    if args.backend == "cuda" and why_not:
+        raise UsageError(f"--backend cuda: {why_not}")
+    backend = args.backend if args.backend != "auto" else "cpu" if why_not else "cuda"
     where = f"cuda ({_gpu_name()})" if backend == "cuda" else "cpu"
     print(f"flashcupy {flashcupy.__version__} check on {where}: forward and backward against the float64 "
           f"reference (max error / bound)")
+    if backend == "cpu":
+        print("backend: cpu, as asked (--backend cpu)" if args.backend == "cpu" else
+              f"backend: cpu, because the GPU cannot be used: {why_not}")
     start = time.perf_counter()
     if backend == "cuda" and not args.no_precompile:
         from flashcupy.precompile import precompile
@@ -443,7 +548,9 @@ def precompile_command(args: argparse.Namespace) -> int:
         times = precompile(dtypes=args.dtypes, head_dims=args.head_dims, backward=not args.no_backward,
                            device=args.device, allow_tf32=args.allow_tf32, progress=not args.no_progress,
                            workers=args.workers)
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+    except RuntimeError as exc:  # no usable GPU, or the driver failing: not the arguments
         print(f"python -m flashcupy precompile: error: {exc}", file=sys.stderr)
         return 1
     wall = time.perf_counter() - start
@@ -498,15 +605,8 @@ def bench(argv: Sequence[str], script: Path | None = None) -> int:
 # --------------------------------------------------------------------------- parser
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, received {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m flashcupy",
         description="flashcupy: exact FlashAttention for NumPy, CuPy and DLPack arrays.",
     )
@@ -522,12 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="input dtype (default float32)")
     p.add_argument("--L", type=_positive, default=1024, help="sequence length, Lq = Lk (default 1024)")
-    p.add_argument("--D", type=_positive, default=64, help="head dim (default 64)")
+    p.add_argument("--D", type=_head_dim, default=64, help=f"head dim, 1..{MAX_HEAD_DIM} (default 64)")
     p.add_argument("--heads", type=_positive, default=8, help="heads (default 8)")
     p.add_argument("--batch", type=_positive, default=2, help="batch size (default 2)")
     p.add_argument("--causal", action="store_true", help="causal (bottom-right) masking")
     p.add_argument("--repeats", type=_positive, default=3, help="timed runs after the warm-up (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--seed", type=_int_in(0), default=0, help="seed of the random inputs, an int >= 0 (default 0)")
     p.set_defaults(func=demo)
 
     p = commands.add_parser(
@@ -566,10 +666,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), metavar="DTYPE",
                    help=f"dtypes to cover (default all: {' '.join(DTYPES)})")
-    p.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128], metavar="D",
-                   help="head dims to cover (default 64 128)")
+    p.add_argument("--head-dims", nargs="+", type=_head_dim, default=[64, 128], metavar="D",
+                   help=f"head dims to cover, each 1..{MAX_HEAD_DIM} (default 64 128)")
     p.add_argument("--no-backward", action="store_true", help="forward kernels only")
-    p.add_argument("--device", type=int, default=None, help="CUDA device index (default CuPy's current device)")
+    p.add_argument("--device", type=_int_in(0), default=None,
+                   help="CUDA device index (default CuPy's current device)")
     p.add_argument("--allow-tf32", action="store_true", help="the float32 kernels of allow_tf32=True calls")
     p.add_argument("--workers", type=_positive, default=None, help="compile threads (default min(8, CPUs))")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -590,8 +691,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # everything after 'bench' belongs to the benchmark script
         return bench(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = None
+    try:
+        args = parser.parse_args(argv)
+        return args.func(args)
+    except UsageError as exc:
+        prog = exc.prog or (f"{parser.prog} {args.command}" if args is not None else parser.prog)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -197,9 +197,18 @@ def flash_attention_backward(
 ):
     """Gradients of ``flash_attention`` with respect to q, k, v (and bias).
 
+    The options must be the ones the forward ran with (the same causal, scale, masks,
+    bias, lengths, dropout_p, seed and offset): the backward recomputes the
+    probabilities from them and the saved lse, and cannot tell that they changed, so
+    different options give wrong gradients without an error. ``flash_attention_vjp``
+    keeps the forward's options (and seed) for its ``vjp`` and cannot get this wrong.
+
     Args:
         dout: (..., Hq, Lq, Dv), the gradient of ``out``, q's dtype.
-        q, k, v: the forward's inputs; out, lse: the forward's results.
+        q, k, v: the forward's inputs.
+        out: the forward's out, (..., Hq, Lq, Dv) in q's dtype.
+        lse: the forward's lse, (..., Hq, Lq), float32 (float64 for float64 inputs);
+            another shape or dtype is an error.
         bias_grad: also return dbias, reduced to the bias's own shape.
         deterministic: bitwise-repeatable gradients (the CPU backend always is).
         **options: the forward's keyword options, the same seed included.

@@ -1,4 +1,4 @@
-"""Dense float64 reference of design.md section 2, forward and analytic backward.
+"""Dense float64 reference of docs/semantics.md, forward and analytic backward.
 
 This is the oracle every backend is tested against, so it is written for
 clarity, not memory: it materialises the full (*batch, Hq, Lq, Lk) score
@@ -6,10 +6,10 @@ matrix. It shares only argument validation (:mod:`flashcupy.problem`) and the
 dropout bits (:mod:`flashcupy.rng`) with the backends; the maths is its own.
 
 ``compute_dtype`` gives the "naive attention in the input dtype" that the
-tolerance rule of design.md section 4 (:mod:`flashcupy.testing.rule`) compares
-against: arithmetic in float32 (float64 for float64), as PyTorch computes
-float16 and bfloat16 products, and every intermediate (scores, probabilities,
-products) rounded to the dtype.
+tolerance rule (docs/semantics.md#accuracy, :mod:`flashcupy.testing.rule`) compares
+against: arithmetic in float32 (float64 for float64), as PyTorch computes float16 and
+bfloat16 products, and every intermediate (scores, probabilities, products) rounded to the
+dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from scipy.special import logsumexp
 
 from . import interop, rng
-from .problem import Problem, check_backward_arrays, make_host_problem
+from .problem import Problem, check_backward_arrays, lse_dtype, make_host_problem
 
 
 @dataclass
@@ -234,6 +234,6 @@ def attention_reference_backward(dout: Any, q: Any, k: Any, v: Any, **options: A
     pb = _host_problem(q, k, v, options)
     dout = interop.to_numpy(dout)
     dout, _, _ = check_backward_arrays(
-        pb, dout.astype(pb.dtype), np.zeros(dout.shape, pb.dtype), np.zeros(dout.shape[:-1])
+        pb, dout.astype(pb.dtype), np.zeros(dout.shape, pb.dtype), np.zeros(dout.shape[:-1], lse_dtype(pb.dtype))
     )
     return _squeeze(pb, *backward(pb, dout))

@@ -178,7 +178,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     """Exact attention of torch tensors, differentiable with respect to q, k, v and bias.
 
     Takes the keyword options of :func:`flashcupy.flash_attention` with the same
-    meaning (see its docstring and design.md section 2): ``causal`` (True /
+    meaning (see its docstring and docs/semantics.md): ``causal`` (True /
     'bottom_right' or 'top_left', which is PyTorch's ``is_causal``), ``scale``,
     ``window``, ``mask`` (bool, True = attend, as SDPA's bool ``attn_mask``),
     ``bias`` (float, added to the scores, as SDPA's float ``attn_mask``),

@@ -1,6 +1,6 @@
 // Philox4x32-10 (Salmon et al. 2011; cuRAND's Philox4_32_10) and the dropout keep test.
 //
-// The bits are the contract of design.md section 2, shared with flashcupy/rng.py:
+// The bits are the contract of docs/semantics.md#dropout-bits, shared with flashcupy/rng.py:
 //   key = (seed mod 2^32, seed >> 32), counter = (j >> 2, i, bh, offset),
 //   keep(i, j) = word (j & 3) of Philox(counter, key) >= threshold.
 #pragma once

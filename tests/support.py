@@ -1,6 +1,6 @@
-"""Shared test machinery: the tolerance rule of design.md section 4 and the attention
-problems the tests draw, both from :mod:`flashcupy.testing` (one source for the
-project's tests and its users').
+"""Shared test machinery: the tolerance rule of docs/semantics.md#accuracy and the attention
+problems the tests draw, both from :mod:`flashcupy.testing` (one source for the project's
+tests and its users').
 
 Backend-agnostic: a case holds NumPy inputs; tests pass them to any backend.
 """

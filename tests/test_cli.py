@@ -32,6 +32,119 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
                           cwd=cwd, timeout=300)
 
 
+# --------------------------------------------------------------------------- errors
+
+BAD_ARGUMENTS = [
+    ([], "the following arguments are required: COMMAND"),
+    (["nope"], "invalid choice: 'nope'"),
+    (["demo", "--D", "600"], "argument --D: expected an int in 1..512, received '600'"),
+    (["demo", "--D", "0"], "argument --D: expected an int in 1..512, received '0'"),
+    (["demo", "--L", "0"], "argument --L: expected a positive int, received '0'"),
+    (["demo", "--L", "abc"], "argument --L: expected a positive int, received 'abc'"),
+    (["demo", "--heads", "-2"], "argument --heads: expected a positive int, received '-2'"),
+    (["demo", "--batch", "1.5"], "argument --batch: expected a positive int, received '1.5'"),
+    (["demo", "--repeats", "0"], "argument --repeats: expected a positive int, received '0'"),
+    (["demo", "--seed", "-1"], "argument --seed: expected an int >= 0, received '-1'"),
+    (["demo", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+    (["info", "--bogus"], "unrecognized arguments: --bogus"),
+    (["check", "--backend", "gpu"], "argument --backend: invalid choice: 'gpu'"),
+    (["check", "--bogus"], "unrecognized arguments: --bogus"),
+    (["precompile", "--dtypes", "float8"], "argument --dtypes: invalid choice: 'float8'"),
+    (["precompile", "--head-dims", "513"], "argument --head-dims: expected an int in 1..512, received '513'"),
+    (["precompile", "--workers", "0"], "argument --workers: expected a positive int, received '0'"),
+    (["precompile", "--device", "-1"], "argument --device: expected an int >= 0, received '-1'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a) or "none" for a, _ in BAD_ARGUMENTS])
+def test_a_bad_argument_is_one_line_and_exit_status_2(argv, message, capsys) -> None:
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("python -m flashcupy") and ": error: " in captured.err
+    assert message in captured.err
+
+
+def test_bad_arguments_never_print_a_traceback() -> None:
+    # The issue's own example, as a user runs it: one line on stderr, exit status 2.
+    result = run_cli("demo", "--D", "600")
+    assert result.returncode == 2
+    assert result.stderr == ("python -m flashcupy demo: error: argument --D: expected an int in 1..512, "
+                             "received '600' (see python -m flashcupy demo --help)\n")
+    assert result.stdout == ""
+
+
+def test_demo_too_large_for_the_reference_is_a_usage_error(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "available_memory", lambda: 2**30)
+    assert cli.main(["demo", "--L", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m flashcupy demo: error: --L 4096 --batch 2 --heads 8: the dense float64 "
+                          "reference the demo checks against needs about 14.0 GiB, 1.0 GiB are available")
+    assert err.count("\n") == 1
+
+
+def test_checked_problem_turns_library_errors_into_usage_errors() -> None:
+    pb = cli.checked_problem([(2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16)], np.dtype(np.float16), {"causal": True})
+    assert (pb.num_heads_q, pb.num_heads_k, pb.causal) == (4, 2, "bottom_right")
+    with pytest.raises(cli.UsageError, match=r"^k: expected a number of heads dividing q's 4 \(GQA/MQA\), received 3"):
+        cli.checked_problem([(4, 8, 16), (3, 8, 16), (3, 8, 16)], np.dtype(np.float32), {})
+    with pytest.raises(cli.UsageError, match=r"^window: expected"):
+        cli.checked_problem([(4, 8, 16)] * 3, np.dtype(np.float32), {"window": (-1, 0)})
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def test_demo_says_why_the_gpu_was_not_used(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "cuda_backend_available", lambda: False)
+    monkeypatch.setattr(cli, "_gpus", lambda: ([], "CuPy is not installed"))
+    assert cli.main(["demo", "--L", "32", "--heads", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == ("backend: cpu, because the GPU cannot be used: CuPy is not installed "
+                      "(pip install 'flashcupy[cuda12]' or '[cuda13]' for the GPU backend)")
+    assert out[-1] == "PASS"
+
+
+def test_demo_without_a_gpu_names_the_backend_and_the_reason() -> None:
+    result = run_cli("demo", "--L", "64", "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    backend = result.stdout.splitlines()[1]
+    if interop.gpu_usable():
+        assert backend.startswith("backend: cuda (")
+    else:
+        assert backend.startswith("backend: cpu, because the GPU cannot be used: ")
+        assert any(why in backend for why in ("CuPy is not installed", "NVIDIA driver", "no usable CUDA GPU"))
+
+
+def test_demo_falls_back_to_the_cpu_when_no_kernel_fits(monkeypatch, capsys) -> None:
+    """On a GPU whose shared memory no kernel of this head dim fits, the demo says so and runs on the CPU."""
+    from types import SimpleNamespace
+
+    from flashcupy.cuda.spec import NoKernelError
+
+    fake_cupy = SimpleNamespace(asarray=np.asarray,
+                                cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(synchronize=lambda: None)))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(cli, "_gpu_name", lambda: "Small GPU")
+    real = flashcupy.flash_attention
+
+    def attention(q, k, v, *, backend, **options):
+        if backend == "cuda":
+            raise NoKernelError("no float64 kernel for head dims (512, 512) fits this GPU's 48 KiB")
+        return real(q, k, v, backend=backend, **options)
+
+    monkeypatch.setattr(flashcupy, "flash_attention", attention)
+    assert cli.main(["demo", "--dtype", "float64", "--D", "512", "--L", "16", "--heads", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "backend: cuda (Small GPU)"
+    assert out[2] == ("backend: cpu instead, because no CUDA kernel fits: no float64 kernel for head dims "
+                      "(512, 512) fits this GPU's 48 KiB")
+    assert out[-1] == "PASS"
+
+
 # --------------------------------------------------------------------------- info
 
 
@@ -113,8 +226,24 @@ def test_check_reports_a_raising_case_as_a_failure(monkeypatch, capsys) -> None:
 
 def test_check_cuda_without_a_gpu_is_an_error(monkeypatch, capsys) -> None:
     monkeypatch.setattr(cli, "cuda_backend_available", lambda: False)
-    assert cli.main(["check", "--backend", "cuda"]) == 1
-    assert "no usable CUDA GPU" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_gpus", lambda: ([], "CuPy is not installed"))
+    assert cli.main(["check", "--backend", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("python -m flashcupy check: error: --backend cuda: CuPy is not installed (pip install")
+
+
+def test_check_says_why_the_gpu_was_not_used(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "cuda_backend_available", lambda: False)
+    first = cli.check_cases()[:1]
+    monkeypatch.setattr(cli, "check_cases", lambda: first)
+    monkeypatch.setattr(cli, "_gpus", lambda: ([], "CUDARuntimeError: cudaErrorInsufficientDriver: too old"))
+    assert cli.main(["check"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("backend: cpu, because the GPU cannot be used: CuPy found no NVIDIA driver, or one older "
+                        "than its CUDA runtime (CUDARuntimeError: cudaErrorInsufficientDriver: too old)")
+    assert cli.main(["check", "--backend", "cpu"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "backend: cpu, as asked (--backend cpu)"
 
 
 # --------------------------------------------------------------------------- precompile

@@ -1,35 +1,37 @@
-"""Every forward and backward kernel specialisation compiles with NVRTC, without spills,
-for sm_75..sm_90 (the portable SIMT kernels: for sm_75 and sm_90, see SIMT_ARCHS).
+"""Every kernel the dispatcher can return compiles with NVRTC, without spills, for sm_75..sm_90.
 
-No GPU is needed: NVRTC compiles to SASS for a named architecture (``compile_for_arch``)
-and ptxas' ``--verbose`` report gives each entry function's stack frame, spill stores,
-spill loads and registers. One test per (family, architecture) compiles every kernel of
-``all_forward_specs(arch)`` or ``all_backward_specs(arch)``.
+No GPU is needed: NVRTC compiles to SASS for a named architecture (``compile_for_arch``) and
+ptxas' ``--verbose`` report gives each entry function's registers, stack frame, spill stores
+and spill loads. Tensor-core entries (mma16, wgmma, tf32, tf32x3, dmma) must have no stack
+frame and no spills; a SIMT entry that uses local memory is a warning (pytest's warnings
+summary). On failure the message holds the table of every entry's figures.
 
-SIMT kernels are the only path before sm_80, and on sm_80+ run only when
-FLASHCUPY_FORCE_PORTABLE=1 forces them; their source takes one branch on every sm_80+
-architecture (cp.async), so they are compiled for sm_75 and sm_90 only: 1117 kernels
-instead of about 1600, a third less of CI's compile time, which is most of its 20 minutes.
+Two tiers:
+
+- **The matrix** (marker ``compile_matrix``, left out of the default run; ``.ci/run`` runs it):
+  every kernel of ``all_forward_specs(arch)`` and ``all_backward_specs(arch)`` for every arch of
+  ``ARCH_SMEM``, compiled once per architecture class (:data:`CLASSES`), in parallel over the
+  machine's cores: one test per (family, class).
+- **The representative check** (default run): per class and family, one kernel per pipeline,
+  the cheapest (smallest head dim), so that a source that no longer compiles anywhere fails
+  in seconds.
+
+Architecture classes. A class compiles its kernels for one architecture on behalf of its
+members where ptxas' reports agree: sm_86 and sm_89 (the same kernel set, and the same
+registers, stack frame and spills kernel by kernel for every kernel, measured when the
+classes were drawn). The SIMT kernels of sm_80..sm_90 form one class compiled for sm_90: their
+source takes one branch on every sm_80+ architecture (cp.async), and their spills only warn.
+The matrix also recompiles a sample of each multi-member class for its other members and
+fails if a report differs, so the classes cannot silently stop agreeing.
 
 Requirements: ``pip install '.[nvrtc]'`` (cupy-cuda12x, nvidia-cuda-nvrtc-cu12 and
 nvidia-cuda-runtime-cu12, whose include/ folder holds cuda_fp16.h and friends; a CUDA
 toolkit's ``$CUDA_PATH/include`` works as well). Without them the tests skip, unless
 ``FLASHCUPY_REQUIRE_NVRTC=1`` (CI sets it), which turns the skip into a failure.
 
-NVRTC's lowered names are not returned by ``compile_for_arch``, so entries are matched
-to specs by count (exactly one entry per spec) and by demangling each entry with
-libstdc++'s ``__cxa_demangle`` into ``void <name_expression>(flash::Params)`` (or
-``flash::BwdParams``)
-(without a demangler: by count, the policy read from the mangled name). Tensor-core
-entries (mma16, wgmma, tf32, dmma) must have no stack frame and no spills. SIMT entries are
-checked too; a SIMT spill is reported as a warning (visible in pytest's warnings
-summary) rather than failing the test. On failure, the assertion message holds the
-table of registers, stack frame and spills of every entry.
-
-The (family, architecture) pairs compile in parallel, started once per module for all the
-pairs selected, since each takes minutes on two cores: every pair's kernels in PARTS NVRTC
-programs (more, smaller jobs keep the workers busy to the end), on up to MAX_WORKERS worker
-processes, one per CPU core (each NVRTC process peaks near 2.5 GB).
+Entries are matched to kernels by demangling each entry with libstdc++'s ``__cxa_demangle``
+into ``void <name_expression>(flash::Params)`` (or ``flash::BwdParams``); without a
+demangler, by count, the SIMT policy read from the mangled name.
 """
 
 from __future__ import annotations
@@ -47,12 +49,38 @@ import pytest
 from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs
 
 ARCHS = (75, 80, 86, 89, 90)
-TENSOR_CORE_POLICIES = ("mma16", "wgmma", "tf32", "tf32x3", "dmma")
+TENSOR_CORE_POLICIES = ("mma16", "wgmma", "wgmma_tf32x3", "tf32", "tf32x3", "dmma")
 FAMILIES = ("forward", "backward")
 REQUIRE_ENV = "FLASHCUPY_REQUIRE_NVRTC"
-MAX_WORKERS = 4
-SIMT_ARCHS = (75, 90)
-PARTS = 2
+#: Kernels per NVRTC program of the matrix: small enough that the workers finish together.
+CHUNK = 12
+#: Kernels per family recompiled for each other member of a class to check that they agree.
+AGREEMENT_SAMPLE = 6
+#: Peak memory of one NVRTC process on the largest programs, to bound the workers.
+NVRTC_PEAK_BYTES = 2.5 * 2**30
+
+
+class ArchClass(NamedTuple):
+    """Architectures whose kernels compile once, for ``arch``: every kernel of the members'
+    sets whose policy is SIMT (``simt`` True) or not (False), or all of them (None)."""
+
+    name: str
+    arch: int
+    members: tuple[int, ...]
+    simt: bool | None
+
+
+CLASSES = (
+    ArchClass("sm_75", 75, (75,), None),  # SIMT only: no tensor-core kernels before sm_80
+    ArchClass("sm_80", 80, (80,), False),
+    ArchClass("sm_86+sm_89", 86, (86, 89), False),
+    ArchClass("sm_90", 90, (90,), False),
+    ArchClass("simt-sm_80-to-sm_90", 90, (80, 86, 89, 90), True),
+)
+CLASS_IDS = [c.name for c in CLASSES]
+#: Classes whose members share ptxas' reports (SIMT classes share a source branch instead).
+AGREEING = [c for c in CLASSES if len(c.members) > 1 and not c.simt]
+
 
 _COMPILING = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)a?'")
 _PROPERTIES = re.compile(
@@ -135,28 +163,63 @@ def _canonical(signature: str) -> str:
 
 
 class Kernel(NamedTuple):
-    """One compiled entry function: its NVRTC name expression, warp policy and parameter block."""
+    """One compiled entry function: its NVRTC name expression, warp policy, parameter block
+    and padded head dim."""
 
     name_expression: str
     policy: str
     params: str
+    head_dim: int
 
 
 def kernels(family: str, arch: int) -> list[Kernel]:
-    """Every kernel the dispatcher can launch on ``arch`` for a source family (SIMT ones only
-    for SIMT_ARCHS)."""
+    """Every kernel the dispatcher can launch on ``arch`` for a source family, each once."""
     from flashcupy.cuda.spec import all_backward_specs, all_forward_specs
 
     if family == "forward":
-        found = [Kernel(s.name_expression, s.policy, "flash::Params") for s in all_forward_specs(arch)]
-    else:
-        unique = {}
-        for s in all_backward_specs(arch):
-            for name, _ in s.kernels:  # the delta kernel and the dQ converter have no matrix products
-                products = not name.startswith(("flash::flash_bwd_delta<", "flash::flash_bwd_dq_convert<"))
-                unique[name] = Kernel(name, s.policy if products else "none", "flash::BwdParams")
-        found = sorted(unique.values())
-    return [k for k in found if k.policy != "simt" or arch in SIMT_ARCHS]
+        return [Kernel(s.name_expression, s.policy, "flash::Params", s.head_dim) for s in all_forward_specs(arch)]
+    unique = {}
+    for s in all_backward_specs(arch):
+        for name, _ in s.kernels:  # the delta kernel and the dQ converter have no matrix products
+            products = not name.startswith(("flash::flash_bwd_delta<", "flash::flash_bwd_dq_convert<"))
+            unique[name] = Kernel(name, s.policy if products else "none", "flash::BwdParams", s.head_dim)
+    return sorted(unique.values())
+
+
+def _in_class(kernel: Kernel, cls: ArchClass, arch: int) -> bool:
+    """Whether ``cls`` compiles ``kernel`` of ``arch``'s set: SIMT kernels in the SIMT class,
+    the others (kernels without matrix products too) in the other, where the arch has one."""
+    if arch not in cls.members:
+        return False
+    if cls.simt is None:
+        return True
+    return (kernel.policy == "simt") == cls.simt
+
+
+def class_kernels(family: str, cls: ArchClass) -> list[Kernel]:
+    """The kernels ``cls`` compiles for a family: its members' kernels of its kind, each once."""
+    found = {}
+    for arch in cls.members:
+        for k in kernels(family, arch):
+            if _in_class(k, cls, arch):
+                found.setdefault(k.name_expression, k)
+    return sorted(found.values())
+
+
+def representatives(family: str, cls: ArchClass) -> list[Kernel]:
+    """One kernel per pipeline (policy) of the class: the one with the smallest head dim."""
+    best: dict[str, Kernel] = {}
+    for k in class_kernels(family, cls):
+        if k.policy != "none" and (k.policy not in best or (k.head_dim, k) < (best[k.policy].head_dim, best[k.policy])):
+            best[k.policy] = k
+    return sorted(best.values())
+
+
+def agreement_sample(family: str, cls: ArchClass) -> list[Kernel]:
+    """Evenly spaced kernels of a class, recompiled for its other members."""
+    found = class_kernels(family, cls)
+    step = max(1, len(found) // AGREEMENT_SAMPLE)
+    return found[::step][:AGREEMENT_SAMPLE]
 
 
 def match_entries(entries: list[dict], specs: list[Kernel]) -> list:
@@ -192,59 +255,24 @@ def register_table(arch: int, rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-@pytest.fixture(scope="module")
-def compiled(request):
-    """{(family, arch): futures of compile_for_arch's logs, one per part}, for every pair the
-    session selected."""
-    problem = nvrtc_problem()
-    if problem is not None:
-        _unavailable(problem)
-    wanted = {(item.callspec.params["family"], item.callspec.params["arch"]) for item in request.session.items
-              if item.module is request.module and hasattr(item, "callspec") and "arch" in item.callspec.params}
-    jobs = []  # (family, arch, names of one part)
-    for family, arch in wanted:
-        names = [k.name_expression for k in kernels(family, arch)]
-        jobs += [(family, arch, names[i::PARTS]) for i in range(PARTS) if names[i::PARTS]]
-    jobs.sort(key=lambda job: -len(job[2]))  # largest first: the workers finish together
-    workers = max(1, min(MAX_WORKERS, os.cpu_count() or 1, len(jobs)))
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
-        futures: dict[tuple[str, int], list] = {}
-        for family, arch, names in jobs:
-            futures.setdefault((family, arch), []).append(pool.submit(compile_for_arch, family, names, arch))
-        yield futures
-        for parts in futures.values():
-            for future in parts:
-                future.cancel()
-
-
-@pytest.mark.parametrize("arch", ARCHS, ids=[f"sm_{a}" for a in ARCHS])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_kernels_compile_without_spills(compiled, family, arch):
-    from flashcupy.cuda.spec import ARCH_SMEM
-
-    assert arch in ARCH_SMEM
-    specs = kernels(family, arch)
-    assert specs, f"no {family} kernels for sm_{arch}"
-    if (family, arch) in compiled:
-        log = "\n".join(part.result() for part in compiled[family, arch])  # KernelCompileError carries NVRTC's log
-    else:  # not among the items the fixture saw (another plugin's selection): compile here
-        log = compile_for_arch(family, [s.name_expression for s in specs], arch)
-
+def check_report(log: str, specs: list[Kernel], arch: int) -> dict[str, dict]:
+    """Assert that ptxas compiled each of ``specs`` once, for ``arch``, and that no tensor-core
+    entry uses local memory (SIMT ones warn); returns each kernel's figures by name."""
     entries = parse_ptxas(log)
     matched = match_entries(entries, specs)
     rows = [(s.name_expression.removeprefix("flash::") if s else e["name"], e) for e, s in zip(entries, matched)]
     table = register_table(arch, rows)
 
     assert len(entries) == len(specs), (
-        f"sm_{arch}: ptxas compiled {len(entries)} entry functions for {len(specs)} specs\n{table}"
+        f"sm_{arch}: ptxas compiled {len(entries)} entry functions for {len(specs)} kernels\n{table}"
     )
     assert all(e["arch"] == arch for e in entries), table
     incomplete = [e["name"] for e in entries if None in (e["stack"], e["stores"], e["loads"], e["regs"])]
     assert not incomplete, f"sm_{arch}: ptxas report incomplete for {incomplete}\n{table}"
     unmatched = [e["name"] for e, s in zip(entries, matched) if s is None]
-    assert not unmatched, f"sm_{arch}: entries matching no spec's name_expression: {unmatched}\n{table}"
-    if not isinstance(matched[0], _PolicyOnly):
-        assert len(set(map(id, matched))) == len(specs), f"sm_{arch}: some spec compiled twice\n{table}"
+    assert not unmatched, f"sm_{arch}: entries matching no kernel's name_expression: {unmatched}\n{table}"
+    if entries and not isinstance(matched[0], _PolicyOnly):
+        assert len(set(map(id, matched))) == len(specs), f"sm_{arch}: some kernel compiled twice\n{table}"
 
     spilled = [s for e, s in zip(entries, matched) if (e["stack"], e["stores"], e["loads"]) != (0, 0, 0)]
     strict = (*TENSOR_CORE_POLICIES, "tensor-core")  # "tensor-core": the no-demangler stand-in
@@ -253,9 +281,153 @@ def test_kernels_compile_without_spills(compiled, family, arch):
     if simt:
         warnings.warn(
             f"sm_{arch}: {len(simt)} SIMT kernel(s) use local memory (stack frame or spills): " + "; ".join(simt),
-            stacklevel=1,
+            stacklevel=2,
         )
     assert not tensor_core, (
         f"sm_{arch}: {len(tensor_core)} tensor-core kernel(s) ({', '.join(TENSOR_CORE_POLICIES)}) with a stack "
         f"frame or spills: " + "; ".join(tensor_core) + f"\n{table}"
     )
+    return {s.name_expression: {k: e[k] for k in ("regs", "stack", "stores", "loads")}
+            for e, s in zip(entries, matched)}
+
+
+def _workers(jobs: int) -> int:
+    """Processes for ``jobs`` NVRTC programs: one per core this process may use, fewer where
+    memory would not hold that many NVRTC processes at their peak."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        cores = min(cores, max(1, int(pages // NVRTC_PEAK_BYTES)))
+    except (ValueError, OSError, AttributeError):
+        pass
+    return max(1, min(cores, jobs))
+
+
+def _cost(names: list[str], simt: bool) -> float:
+    """A job's expected compile time, for largest-first scheduling: SIMT kernels take about
+    three times a tensor-core kernel's."""
+    return len(names) * (3.0 if simt else 1.0)
+
+
+def _selected(request, test_name: str) -> set[tuple[str, str]]:
+    """(family, class name) of the items of ``test_name`` this session runs."""
+    return {(item.callspec.params["family"], item.callspec.params["cls"].name) for item in request.session.items
+            if item.module is request.module and item.originalname == test_name and hasattr(item, "callspec")}
+
+
+def _pooled(jobs: list[tuple[tuple, str, int, list[str], bool]]):
+    """Generator of {key: [futures of compile_for_arch's logs]} for ``jobs`` (key, family,
+    arch, names, simt), all submitted at once to a process pool, largest first so that the
+    cores stay busy to the end; what is still pending at the end is cancelled."""
+    jobs = sorted(jobs, key=lambda job: -_cost(job[3], job[4]))
+    futures: dict[tuple, list] = {}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=_workers(len(jobs))) as pool:
+        for key, family, arch, names, _ in jobs:
+            futures.setdefault(key, []).append(pool.submit(compile_for_arch, family, names, arch))
+        yield futures
+        for parts in futures.values():
+            for future in parts:
+                future.cancel()
+
+
+@pytest.fixture(scope="module")
+def matrix(request):
+    """Futures of the matrix items of the session: key (family, class name) for a class's
+    kernels, in programs of CHUNK kernels; (family, class name, member) for the agreement
+    sample compiled for another member."""
+    problem = nvrtc_problem()
+    if problem is not None:
+        _unavailable(problem)
+    by_name = {c.name: c for c in CLASSES}
+    whole = _selected(request, "test_kernels_compile_without_spills")
+    jobs = []
+    for family, name in whole:
+        cls = by_name[name]
+        found = [k.name_expression for k in class_kernels(family, cls)]
+        jobs += [((family, name), family, cls.arch, found[i:i + CHUNK], bool(cls.simt))
+                 for i in range(0, len(found), CHUNK)]
+    for family, name in _selected(request, "test_class_members_agree"):
+        cls = by_name[name]
+        sample = [k.name_expression for k in agreement_sample(family, cls)]
+        others = [m for m in cls.members if m != cls.arch or (family, name) not in whole]
+        jobs += [((family, name, member), family, member, sample, bool(cls.simt)) for member in others]
+    yield from _pooled(jobs)
+
+
+@pytest.fixture(scope="module")
+def representative(request):
+    """Futures of the representative check's items of the session, key (family, class name)."""
+    problem = nvrtc_problem()
+    if problem is not None:
+        _unavailable(problem)
+    by_name = {c.name: c for c in CLASSES}
+    jobs = [((family, name), family, by_name[name].arch,
+             [k.name_expression for k in representatives(family, by_name[name])], bool(by_name[name].simt))
+            for family, name in _selected(request, "test_representative_kernels_compile_without_spills")]
+    yield from _pooled(jobs)
+
+
+def _log(futures: dict, key: tuple, family: str, names: list[str], arch: int) -> str:
+    """The compile log of ``names`` for ``arch``: from the fixture's futures (KernelCompileError
+    carries NVRTC's log), or compiled here when the fixture did not see the item."""
+    if key in futures:
+        return "\n".join(future.result() for future in futures[key])
+    return compile_for_arch(family, names, arch)
+
+
+@pytest.mark.compile_matrix
+@pytest.mark.parametrize("cls", CLASSES, ids=CLASS_IDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernels_compile_without_spills(matrix, family, cls):
+    from flashcupy.cuda.spec import ARCH_SMEM
+
+    assert set(cls.members) <= set(ARCH_SMEM)
+    specs = class_kernels(family, cls)
+    assert specs, f"no {family} kernels in {cls.name}"
+    log = _log(matrix, (family, cls.name), family, [s.name_expression for s in specs], cls.arch)
+    check_report(log, specs, cls.arch)
+
+
+@pytest.mark.compile_matrix
+@pytest.mark.parametrize("cls", AGREEING, ids=[c.name for c in AGREEING])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_class_members_agree(matrix, family, cls):
+    """A sample of the class's kernels gets from every member the report it gets from the
+    class's arch (whose figures come from the whole class's compile when it ran)."""
+    sample = agreement_sample(family, cls)
+    names = [k.name_expression for k in sample]
+    reports = {}
+    for arch in cls.members:
+        if arch == cls.arch and (family, cls.name) in matrix:
+            specs = class_kernels(family, cls)
+            whole = check_report(_log(matrix, (family, cls.name), family, [], arch), specs, arch)
+            reports[arch] = {n: whole[n] for n in names}
+        else:
+            reports[arch] = check_report(_log(matrix, (family, cls.name, arch), family, names, arch), sample, arch)
+    for member in cls.members:
+        assert reports[member] == reports[cls.arch], (
+            f"sm_{member} and sm_{cls.arch} disagree on {family} kernels of {cls.name}; split the class:\n"
+            + "\n".join(f"{n}: sm_{member} {reports[member][n]}, sm_{cls.arch} {reports[cls.arch][n]}"
+                        for n in names if reports[member][n] != reports[cls.arch][n]))
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=CLASS_IDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_representative_kernels_compile_without_spills(representative, family, cls):
+    """The default run's quick check: each pipeline of each class, at its smallest head dim."""
+    specs = representatives(family, cls)
+    assert specs, f"no {family} kernels in {cls.name}"
+    names = [s.name_expression for s in specs]
+    check_report(_log(representative, (family, cls.name), family, names, cls.arch), specs, cls.arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[f"sm_{a}" for a in ARCHS])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_kernel_is_in_one_class(family, arch):
+    """The classes cover every kernel the dispatcher can return on each architecture, once."""
+    from flashcupy.cuda.spec import ARCH_SMEM
+
+    assert arch in ARCH_SMEM and set(ARCHS) == set(ARCH_SMEM)
+    for k in kernels(family, arch):
+        owners = [c.name for c in CLASSES if _in_class(k, c, arch)]
+        assert len(owners) == 1, f"sm_{arch} {k.name_expression}: in classes {owners}"

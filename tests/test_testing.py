@@ -26,7 +26,7 @@ NAIVE_OPTIONS = ("causal", "scale", "mask", "bias", "gqa")
 
 
 def _naive(q, k, v, causal: Any = False, scale: float | None = None, mask=None, bias=None, bug: str = ""):
-    """Plain attention in float32 (float64 for float64) with design.md's semantics, or with ``bug``."""
+    """Plain attention in float32 (float64 for float64) with docs/semantics.md's semantics, or with ``bug``."""
     work = np.float64 if q.dtype == np.float64 else np.float32
     group = q.shape[-3] // k.shape[-3]
     if bug == "gqa_modulo":  # query head h reads kv head h % Hk

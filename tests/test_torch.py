@@ -407,7 +407,7 @@ def _gpu_problem(qs, ks, opts, dtype):
 
 
 def _assert_rule(label, ours, ref64, same, dtype):
-    """design.md section 4: max |ours - ref64| <= 2 max |SDPA in the same dtype - ref64| + floor."""
+    """docs/semantics.md#accuracy: max |ours - ref64| <= 2 max |SDPA in the same dtype - ref64| + floor."""
     ref = ref64.detach().double().cpu().numpy()
     bound = tolerance(ref, same.detach().double().cpu().numpy(), NP_DTYPES[dtype])
     err = _max_abs(ours.cpu(), ref64.cpu())

@@ -682,7 +682,8 @@ def test_backward_valid(grads_case):
 
 def test_backward_dout_wrong_shape(grads_case):
     q, k, v, out, lse, dout = grads_case
-    with rejects(ValueError, "dout", f"shape {out.shape}, received {dout[..., :-1].shape}"):
+    with rejects(ValueError, "dout", f"shape {out.shape} (the forward's out: q's shape with v's head dim), "
+                                     f"received {dout[..., :-1].shape}"):
         _bwd(dout[..., :-1], q, k, v, out, lse)
     with rejects(ValueError, "dout", f"received {dout[None].shape}"):
         _bwd(dout[None], q, k, v, out, lse)
@@ -721,6 +722,31 @@ def test_backward_lse_wrong(grads_case):
         _bwd(dout, q, k, v, out, lse.astype(np.int64))
     with rejects(TypeError, "lse", "received bool"):
         _bwd(dout, q, k, v, out, lse > 0)
+
+
+@pytest.mark.parametrize("dtype, lse_dtype", [(np.float16, np.float16), (np.float32, np.float64),
+                                              (np.float32, np.float16), (np.float64, np.float32)])
+def test_backward_lse_must_have_the_forwards_dtype(dtype, lse_dtype):
+    # The forward's lse is float32, float64 for float64 inputs; any other dtype is a
+    # caller's mix-up (an lse from another call, or cast on the way) and is refused.
+    q, k, v = (x.astype(dtype) for x in make_qkv())
+    out, lse = fc.flash_attention_forward(q, k, v, backend="cpu")
+    assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    expected = f"{np.dtype(lse.dtype).name} (the forward's lse for {np.dtype(dtype).name} inputs), "
+    with rejects(TypeError, "lse", expected + f"received {np.dtype(lse_dtype).name}"):
+        _bwd(np.ones_like(out), q, k, v, out, lse.astype(lse_dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_backward_out_must_have_qs_dtype_and_the_forwards_shape(dtype):
+    q, k, v = (x.astype(dtype) for x in make_qkv())
+    out, lse = fc.flash_attention_forward(q, k, v, backend="cpu")
+    other = np.float32 if dtype != np.float32 else np.float64
+    with rejects(TypeError, "out", f"{np.dtype(dtype).name} like q, received {np.dtype(other).name}"):
+        _bwd(np.ones_like(out), q, k, v, out.astype(other), lse)
+    with rejects(ValueError, "lse", f"shape {lse.shape} (the forward's lse: q's shape without its head dim), "
+                                    f"received {lse[:1].shape}"):
+        _bwd(np.ones_like(out), q, k, v, out, lse[:1])
 
 
 @pytest.mark.parametrize("which", ["dout", "out", "lse"])
@@ -1070,3 +1096,58 @@ def test_fuzz_backward_arrays(which, garbage):
         assert str(exc).startswith(which), f"{type(exc).__name__} does not name {which}: {exc}"
         return
     assert [g.shape for g in grads] == [FUZZ_Q.shape, FUZZ_K.shape, FUZZ_V.shape]
+
+
+# --------------------------------------------------------------------------- byte order
+
+
+def _swapped(x: np.ndarray) -> np.ndarray:
+    """The same values stored in the other byte order (big-endian on a little-endian machine)."""
+    return x.astype(x.dtype.newbyteorder("S"))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_byte_swapped_arrays_compute_as_their_native_copies(dtype):
+    # Data read from a big-endian file keeps its byte order in NumPy; every array argument
+    # in that order is copied to the native one, and the results are those of the copy.
+    q, k, v = make_qkv(dtype=dtype)
+    rs = np.random.default_rng(1)
+    options = {
+        "causal": True,
+        "mask": rs.random((LQ, LK)) < 0.8,
+        "bias": rs.standard_normal((HQ, LQ, LK)).astype(np.float32),
+        "alibi_slopes": np.linspace(0.1, 0.5, HQ),
+        "q_lengths": np.array([LQ - 1] * B),
+        "dropout_p": 0.1,
+        "seed": 3,
+        "backend": "cpu",
+    }
+    swapped = {n: _swapped(x) if isinstance(x, np.ndarray) and x.dtype.kind != "b" else x
+               for n, x in options.items()}
+    out, lse = fc.flash_attention_forward(q, k, v, **options)
+    out_s, lse_s = fc.flash_attention_forward(*map(_swapped, (q, k, v)), **swapped)
+    assert out_s.dtype.isnative and lse_s.dtype.isnative
+    np.testing.assert_array_equal(out_s, out)
+    np.testing.assert_array_equal(lse_s, lse)
+    dout = np.ones_like(out)
+    grads = fc.flash_attention_backward(dout, q, k, v, out, lse, bias_grad=True, **options)
+    grads_s = fc.flash_attention_backward(*map(_swapped, (dout, q, k, v, out, lse)), bias_grad=True, **swapped)
+    for ours, want in zip(grads_s, grads):
+        assert ours.dtype == want.dtype
+        np.testing.assert_array_equal(ours, want)
+
+
+def test_byte_swapped_cu_seqlens_are_converted():
+    q, k, v = (x[0] for x in make_qkv())
+    cu_q, cu_k = np.array([0, 2, LQ], np.int32), np.array([0, 5, LK], np.int32)
+    want = fc.flash_attention_varlen(q, k, v, cu_q, cu_k, backend="cpu")
+    got = fc.flash_attention_varlen(q, k, v, _swapped(cu_q), _swapped(cu_k), backend="cpu")
+    np.testing.assert_array_equal(got, want)
+
+
+def test_dtype_names_in_messages_say_the_byte_order():
+    from flashcupy.problem import dtype_name
+
+    assert dtype_name(np.float32) == "float32"
+    assert dtype_name(np.dtype(np.float32).newbyteorder("S")).startswith("float32 (")
+    assert dtype_name(np.dtype(">i4")) in ("int32", "int32 (big-endian)")  # native on big-endian machines

@@ -5,7 +5,7 @@
     assert_attention_close(out, q, k, v, causal=True)       # one result, a readable report
     check_attention_impl(my_attention, dtypes=("float16",), options=("causal", "mask"))  # fuzz it
 
-The rule (design.md section 4, as FlashAttention's tests): max |ours - ref| <= 2 x
+The rule (docs/semantics.md#accuracy, as FlashAttention's tests): max |ours - ref| <= 2 x
 max |naive - ref| + a rounding floor, with ``ref`` the float64 reference and
 ``naive`` plain attention computed in the input dtype. The assertions and the rule
 need only NumPy; :func:`attention_problems` and :func:`check_attention_impl` need

@@ -1,4 +1,4 @@
-"""The tolerance rule of design.md section 4, in one place.
+"""The tolerance rule of docs/semantics.md#accuracy, in one place.
 
 A result ``ours`` of attention in dtype ``dtype`` passes against the float64
 reference ``ref`` when it has the reference's shape and non-finite entries
