@@ -11,6 +11,8 @@ Commands:
                 forward and backward, against the float64 reference. Exit status 1 on
                 any failure.
     precompile  compile the CUDA kernels ahead of first use (flashcupy.precompile).
+    explain     which CUDA kernels a call of a given shape and options runs on a GPU
+                architecture, and the rule that chose them (no GPU needed).
     bench       run bench/bench_attention.py from a source checkout, passing the
                 remaining arguments through. Exit status 2 when the script is missing.
 
@@ -602,6 +604,70 @@ def bench(argv: Sequence[str], script: Path | None = None) -> int:
     return subprocess.call([sys.executable, str(script), *argv], env=env)
 
 
+# --------------------------------------------------------------------------- explain
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    """An argparse type: 'B,H,L,D' (two to six positive ints)."""
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if not 2 <= len(shape) <= 6 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected a shape such as 2,16,4096,128, received {text!r}")
+    return shape
+
+
+def _window(text: str) -> tuple[int | None, int | None]:
+    """An argparse type: 'LEFT,RIGHT', each an int >= 0 or 'none'."""
+    parts = text.split(",")
+    try:
+        sides = tuple(None if part.strip().lower() == "none" else int(part) for part in parts)
+    except ValueError:
+        sides = ()
+    if len(sides) != 2 or any(side is not None and side < 0 for side in sides):
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (ints >= 0 or none), received {text!r}")
+    return sides
+
+
+def explain_command(args: argparse.Namespace) -> int:
+    """Print which kernels a call of this shape and these options runs, and the rules that chose them."""
+    from flashcupy.explain import explain
+
+    dtype = DTYPES[args.dtype]
+    q_shape = args.shape
+    kv_shape = args.kv_shape or q_shape
+    v_shape = kv_shape[:-1] + (args.dv or kv_shape[-1],)
+    lq, lk = q_shape[-2], kv_shape[-2]
+    options: dict[str, Any] = {"allow_tf32": args.allow_tf32}
+    if args.causal != "none":
+        options["causal"] = True if args.causal == "bottom_right" else "top_left"
+    if args.window is not None:
+        options["window"] = args.window
+    if args.bias:
+        options["bias"] = np.broadcast_to(np.zeros((), np.float32), (lq, lk))
+    if args.mask:
+        options["mask"] = np.broadcast_to(np.ones((), bool), (lq, lk))
+    if args.block_mask:
+        options.update(block_size=128, block_mask=np.broadcast_to(np.ones((), bool), (-(-lq // 128), -(-lk // 128))))
+    if args.alibi:
+        options["alibi_slopes"] = np.ones(q_shape[-3] if len(q_shape) > 2 else 1)
+    if args.softcap is not None:
+        options["softcap"] = args.softcap
+    if args.dropout:
+        options.update(dropout_p=args.dropout, seed=0)
+    if args.lengths:
+        batch = q_shape[:-3]
+        options.update(q_lengths=np.full(batch, lq, np.int32), kv_lengths=np.full(batch, lk, np.int32))
+    standins = [np.broadcast_to(np.zeros((), dtype), shape) for shape in (q_shape, kv_shape, v_shape)]
+    try:
+        print(explain(*standins, arch=args.arch, backward=not args.no_backward, deterministic=args.deterministic,
+                      registers=args.registers, **options))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -675,6 +741,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive, default=None, help="compile threads (default min(8, CPUs))")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=precompile_command)
+
+    p = commands.add_parser(
+        "explain",
+        help="which CUDA kernels a call runs, their tiles and shared memory, and the rule that chose them",
+        description="For q of --shape (and k, v of --kv-shape) and the options given, the forward and backward "
+        "kernels the rule tables of flashcupy.cuda.spec choose on the GPU architecture --arch (the current "
+        "GPU's when omitted), without running them and without a GPU: each rule's name and reason, the "
+        "kernels' tiles, threads, shared memory and grid, and with --registers ptxas' registers and spills "
+        "(NVRTC compiles each kernel). Option flags stand for an array of their usual shape.",
+    )
+    p.add_argument("--shape", type=_shape, required=True, metavar="B,H,L,D", help="q's shape, e.g. 2,16,4096,128")
+    p.add_argument("--kv-shape", type=_shape, default=None, metavar="B,HK,LK,D", help="k's shape (default q's)")
+    p.add_argument("--dv", type=_head_dim, default=None, help="v's head dim (default k's)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float16", help="input dtype (default float16)")
+    p.add_argument("--arch", default=None, help="compute capability, e.g. sm_90 or 80 (default: the current GPU's)")
+    p.add_argument("--causal", choices=["none", "bottom_right", "top_left"], default="none", nargs="?",
+                   const="bottom_right", help="causal mask (--causal alone: bottom_right)")
+    p.add_argument("--window", type=_window, default=None, metavar="LEFT,RIGHT", help="sliding window")
+    p.add_argument("--bias", action="store_true", help="an (Lq, Lk) float32 bias")
+    p.add_argument("--mask", action="store_true", help="an (Lq, Lk) boolean mask")
+    p.add_argument("--block-mask", action="store_true", help="a block mask of 128-wide blocks")
+    p.add_argument("--alibi", action="store_true", help="ALiBi slopes, one per query head")
+    p.add_argument("--softcap", type=float, default=None, help="softcap value")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout probability")
+    p.add_argument("--lengths", action="store_true", help="per-batch q_lengths and kv_lengths")
+    p.add_argument("--allow-tf32", action="store_true", help="float32 on single TF32 products")
+    p.add_argument("--deterministic", action="store_true", help="the backward's deterministic dQ")
+    p.add_argument("--no-backward", action="store_true", help="the forward only")
+    p.add_argument("--registers", action="store_true", help="compile each kernel with NVRTC for its registers")
+    p.set_defaults(func=explain_command)
 
     commands.add_parser(
         "bench",

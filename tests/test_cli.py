@@ -54,6 +54,12 @@ BAD_ARGUMENTS = [
     (["precompile", "--head-dims", "513"], "argument --head-dims: expected an int in 1..512, received '513'"),
     (["precompile", "--workers", "0"], "argument --workers: expected a positive int, received '0'"),
     (["precompile", "--device", "-1"], "argument --device: expected an int >= 0, received '-1'"),
+    (["explain"], "the following arguments are required: --shape"),
+    (["explain", "--shape", "2,0,64"], "argument --shape: expected a shape such as 2,16,4096,128, received '2,0,64'"),
+    (["explain", "--shape", "2,8,64,64", "--window", "3,x"], "argument --window: expected LEFT,RIGHT"),
+    (["explain", "--shape", "2,8,64,64", "--arch", "hopper"], "arch: expected a compute capability"),
+    (["explain", "--shape", "2,8,64,600", "--arch", "90"], "q: expected a head dim in 1..512, received 600"),
+    (["explain", "--shape", "2,8,64,64", "--kv-shape", "2,3,64,64", "--arch", "90"], "k: expected a number of heads dividing q's 8"),
 ]
 
 
@@ -65,6 +71,20 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(argv, message, capsys) -> 
     assert captured.err.count("\n") == 1, captured.err
     assert captured.err.startswith("python -m flashcupy") and ": error: " in captured.err
     assert message in captured.err
+
+
+def test_explain_prints_the_kernels_and_rules_without_a_gpu() -> None:
+    result = run_cli("explain", "--shape", "2,16,4096,128", "--arch", "sm_90", "--causal", "--dtype", "bfloat16")
+    assert result.returncode == 0, result.stderr
+    forward = select_forward("bfloat16", 128, 128, 90, ARCH_SMEM[90], full=False)
+    backward = select_backward("bfloat16", 128, 128, 90, ARCH_SMEM[90], full=False)
+    assert forward.name_expression in result.stdout and backward.dkdv_name in result.stdout
+    assert "rule 'wgmma16-overlap'" in result.stdout and "rule 'wgmma16'" in result.stdout
+    result = run_cli("explain", "--shape", "1,8,300,64", "--kv-shape", "1,2,500,64", "--arch", "80", "--bias", "--mask",
+                     "--alibi", "--softcap", "30", "--dropout", "0.1", "--window", "16,none", "--lengths",
+                     "--dtype", "float32", "--deterministic")
+    assert result.returncode == 0, result.stderr
+    assert "FullScores" in result.stdout and "dQ by its own kernel" in result.stdout and "sm_80" in result.stdout
 
 
 def test_bad_arguments_never_print_a_traceback() -> None:
