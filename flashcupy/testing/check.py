@@ -90,7 +90,11 @@ def _run(fn: Callable[..., Any], problem: AttentionProblem, convert: Callable[[n
             gradients = vjp(convert(problem.dout))
         else:
             out = result
-    except Exception as exc:  # any error of the function under test is a failure on this problem
+    except Exception as exc:  # any error of the function under test is a failure on this problem,
+        from hypothesis.errors import UnsatisfiedAssumption  # check_attention_impl runs under Hypothesis
+
+        if isinstance(exc, UnsatisfiedAssumption):  # but for hypothesis.assume: fn skips a problem
+            raise
         raise AssertionError(f"{name} raised {type(exc).__name__} on {what}: {exc}") from exc
     failures = []
     forward = attention_close(out, problem.q, problem.k, problem.v, **problem.options)
@@ -118,7 +122,9 @@ def check_attention_impl(fn: Callable[..., Any], dtypes: Sequence[str] = tuple(D
     or (dq, dk, dv, dbias) to have dbias checked as well; every gradient is checked
     against the reference backward.
 
-    On a failure Hypothesis shrinks the problem, and AttentionCheckFailure (an
+    ``fn`` may call ``hypothesis.assume(condition)`` to pass over problems it does not
+    support (an option value, a shape), as in any Hypothesis test. On a failure Hypothesis
+    shrinks the problem, and AttentionCheckFailure (an
     AssertionError) is raised: its message holds the shrunk problem and what
     differs on it (worst element, measured against allowed error), its ``problem``
     attribute the arrays. ``seed`` makes the run repeatable. Needs Hypothesis
