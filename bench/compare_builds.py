@@ -8,7 +8,7 @@ The base checkout's package is imported under the name ``flashcupy_base`` (its k
 beside it, compiled by NVRTC into CuPy's cache under its own source hash), so both builds
 read the same inputs and are timed alternately: per cell, ``--rounds`` rounds of
 ``--repeats`` calls of each build, CUDA events around each call, the median per build over
-all its calls. Before timing, each cell's outputs (and gradients) of the two builds are
+all its calls (which build goes first alternates from round to round). Before timing, each cell's outputs (and gradients) of the two builds are
 compared: the largest absolute difference goes into the row, and a build whose results are
 not finite where the other's are fails the run.
 
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", type=Path, required=True, help="checkout of the build to compare against")
     parser.add_argument("--quick", action="store_true", help="L = 1024 only")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two builds per cell")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per build and round")
+    parser.add_argument("--rounds", type=int, default=4, help="alternations of the two builds per cell")
+    parser.add_argument("--repeats", type=int, default=8, help="timed calls per build and round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--base-commit", help="the base's commit, where --base is a copy without git history")
     parser.add_argument("--out", type=Path, help="JSON path (default bench/results/<gpu>-<date>-builds.json)")
@@ -142,9 +142,11 @@ def main(argv=None) -> int:
             times = {name: [] for name in builds}
             for name, fn in fns.items():
                 _time(cp, fn, args.warmup)
-            for _ in range(args.rounds):
-                for name, fn in fns.items():
-                    times[name] += _time(cp, fn, args.repeats)
+            order = list(fns)
+            for _ in range(args.rounds):  # the order alternates, so that neither build always runs first
+                for name in order:
+                    times[name] += _time(cp, fns[name], args.repeats)
+                order.reverse()
             ms = {name: statistics.median(t) for name, t in times.items()}
             work = flops * (2.5 if mode == "bwd" else 1.0)
             for name in builds:

@@ -39,23 +39,31 @@ struct FwdBlock {
 // skipping tiles the score modifiers rule out, and their copies into shared memory.
 template <typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc>
 struct KeyTiles {
-    const FwdBlock<T>& b;
     const Sc& scores;
+    int i0, i1, lo, hi;
+    const T* gK;
+    const T* gV;
+    i64 k_sr, v_sr;
+    int d, dv_load;
+
+    __device__ __forceinline__ KeyTiles(const FwdBlock<T>& b, const Sc& scores_)
+        : scores(scores_), i0(b.i0), i1(b.i1), lo(b.lo), hi(b.hi), gK(b.gK), gV(b.gV), k_sr(b.p.k_sr),
+          v_sr(b.p.v_sr), d(b.p.d), dv_load(b.dv_load) {}
 
     __device__ __forceinline__ int first() const {
-        return scores.template next_live_tile<BLOCK_N>(b.i0, b.i1, b.lo - b.lo % BLOCK_N, b.hi);
+        return scores.template next_live_tile<BLOCK_N>(i0, i1, lo - lo % BLOCK_N, hi);
     }
     // The live key tile after tile j, or hi when there is none (j >= hi included).
     __device__ __forceinline__ int next(int j) const {
-        return j < b.hi ? scores.template next_live_tile<BLOCK_N>(b.i0, b.i1, j + BLOCK_N, b.hi) : b.hi;
+        return j < hi ? scores.template next_live_tile<BLOCK_N>(i0, i1, j + BLOCK_N, hi) : hi;
     }
     // Copies of key tile j of K or V into the tile at s (keys past hi zero-filled, nothing
     // when j >= hi).
     __device__ __forceinline__ void load_k(T* s, int j) const {
-        if (j < b.hi) KTile::template load<THREADS>(s, b.gK + j * b.p.k_sr, b.p.k_sr, b.hi - j, b.p.d);
+        if (j < hi) KTile::template load<THREADS>(s, gK + j * k_sr, k_sr, hi - j, d);
     }
     __device__ __forceinline__ void load_v(T* s, int j) const {
-        if (j < b.hi) VTile::template load<THREADS>(s, b.gV + j * b.p.v_sr, b.p.v_sr, b.hi - j, b.dv_load);
+        if (j < hi) VTile::template load<THREADS>(s, gV + j * v_sr, v_sr, hi - j, dv_load);
     }
 };
 
@@ -65,7 +73,7 @@ template <typename QTile, typename KTile, typename VTile, int BLOCK_N, int THREA
 __device__ __forceinline__ KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc> start_tiles(T* sQ, const FwdBlock<T>& b,
                                                                                       const Sc& scores) {
     QTile::template load<THREADS>(sQ, b.gQ + b.i0 * b.p.q_sr, b.p.q_sr, b.rows_valid, b.p.d);
-    return KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc>{b, scores};
+    return KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc>(b, scores);
 }
 
 // S = Q K^T for the calling warp's rows with the policy's own product, ready to read: a
