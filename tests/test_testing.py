@@ -390,8 +390,8 @@ def sdpa(q, k, v, causal: Any = False, scale: float | None = None, mask=None, bi
         live = allowed.any(dim=-1, keepdim=True)
         allowed = allowed | ~live  # a row with no key attends every key, and is zeroed below
     attn_mask = allowed
-    if bias is not None:
-        attn_mask = bias.to(q.dtype)
+    if bias is not None:  # SDPA's masks need a contiguous last axis: a broadcast bias is written out
+        attn_mask = torch.broadcast_to(bias, q.shape[:-1] + (lk,)).to(q.dtype).contiguous()
         if allowed is not None:
             attn_mask = torch.where(allowed, attn_mask, torch.tensor(float("-inf"), dtype=q.dtype, device=q.device))
     out = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, is_causal=is_causal,

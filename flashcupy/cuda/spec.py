@@ -617,6 +617,14 @@ def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allo
     option beyond causal, window and lengths is in use (see :func:`needs_full`). Raises
     NoKernelError when no tile shape fits (float64 with D > 256 on 99 KB GPUs).
     """
+    return _select_forward(dtype, d, dv, arch, smem_limit, allow_tf32,
+                           force_portable() if portable is None else portable, full)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool,
+                    full: bool) -> KernelSpec:
+    """:func:`select_forward` keyed on its arguments, so that a repeated call costs one lookup."""
     return choose_forward(_call(dtype, d, dv, arch, smem_limit, allow_tf32, portable, full)).spec
 
 
@@ -627,6 +635,14 @@ def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, all
     ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
     :func:`select_forward`. Raises NoKernelError when no tile fits.
     """
+    return _select_backward(dtype, d, dv, arch, smem_limit, allow_tf32,
+                            force_portable() if portable is None else portable, deterministic, full)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool,
+                     deterministic: bool, full: bool) -> BackwardSpec:
+    """:func:`select_backward` keyed on its arguments, so that a repeated call costs one lookup."""
     return choose_backward(_call(dtype, d, dv, arch, smem_limit, allow_tf32, portable, full, deterministic)).spec
 
 

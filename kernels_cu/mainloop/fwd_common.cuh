@@ -39,16 +39,15 @@ struct FwdBlock {
 // skipping tiles the score modifiers rule out, and their copies into shared memory.
 template <typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc>
 struct KeyTiles {
+    const Params& p;  // strides and head dims read where used: fewer registers held across the loop
     const Sc& scores;
     int i0, i1, lo, hi;
     const T* gK;
     const T* gV;
-    i64 k_sr, v_sr;
-    int d, dv_load;
+    int dv_load;
 
     __device__ __forceinline__ KeyTiles(const FwdBlock<T>& b, const Sc& scores_)
-        : scores(scores_), i0(b.i0), i1(b.i1), lo(b.lo), hi(b.hi), gK(b.gK), gV(b.gV), k_sr(b.p.k_sr),
-          v_sr(b.p.v_sr), d(b.p.d), dv_load(b.dv_load) {}
+        : p(b.p), scores(scores_), i0(b.i0), i1(b.i1), lo(b.lo), hi(b.hi), gK(b.gK), gV(b.gV), dv_load(b.dv_load) {}
 
     __device__ __forceinline__ int first() const {
         return scores.template next_live_tile<BLOCK_N>(i0, i1, lo - lo % BLOCK_N, hi);
@@ -60,10 +59,10 @@ struct KeyTiles {
     // Copies of key tile j of K or V into the tile at s (keys past hi zero-filled, nothing
     // when j >= hi).
     __device__ __forceinline__ void load_k(T* s, int j) const {
-        if (j < hi) KTile::template load<THREADS>(s, gK + j * k_sr, k_sr, hi - j, d);
+        if (j < hi) KTile::template load<THREADS>(s, gK + j * p.k_sr, p.k_sr, hi - j, p.d);
     }
     __device__ __forceinline__ void load_v(T* s, int j) const {
-        if (j < hi) VTile::template load<THREADS>(s, gV + j * v_sr, v_sr, hi - j, dv_load);
+        if (j < hi) VTile::template load<THREADS>(s, gV + j * p.v_sr, p.v_sr, hi - j, dv_load);
     }
 };
 
