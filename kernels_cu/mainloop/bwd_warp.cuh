@@ -65,8 +65,9 @@ struct BwdWarp {
             Acc s_t[MI][NT][4], dp_t[MI][NT][4];
             zero_acc(s_t);
             zero_acc(dp_t);
-            // Two row groups keep dK and dV for 32 keys live: unroll two k-steps, not all.
-            constexpr int K_UNROLL = MI == 2 ? 2 : 0;
+            // Two row groups keep dK and dV for 32 keys live: unroll two k-steps, not all; float64
+            // beside FullScores' element pass has no register for a second k-step's fragments.
+            constexpr int K_UNROLL = MI == 2 ? 2 : FULL && sizeof(Acc) == 8 ? 1 : 0;
             Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sK + 16 * MI * warp * LD, sQt, s_t);    // S^T = K Q^T
             Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sV + 16 * MI * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
             tile.classify(blk, hv, scores);

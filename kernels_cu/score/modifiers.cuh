@@ -73,6 +73,13 @@ struct ScoreOp {
     // from raw = q.k. check_band: the tile crosses a causal/window edge, compare per element.
     __device__ __forceinline__ Acc operator()(const Params& p, const HeadView& hv, Acc raw, int i, int j,
                                               bool check_band) const {
+        return (*this)(p, hv, raw, i, j, check_band, Band(p, hv));
+    }
+
+    // The same with the band's bounds built by the caller (once per tile: built per score, they
+    // are left to the compiler to hoist).
+    __device__ __forceinline__ Acc operator()(const Params& p, const HeadView& hv, Acc raw, int i, int j,
+                                              bool check_band, const Band& band) const {
         Acc s;
         if (p.has_softcap) {
             s = softcap * tanh_acc(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
@@ -84,7 +91,7 @@ struct ScoreOp {
             const int dist = abs(i + hv.diagonal - j);  // s -= slope * |i + Lk - Lq - j|
             s -= slope_log2 * static_cast<Acc>(dist);
         }
-        bool keep = !check_band | Band(p, hv)(i, j);
+        bool keep = !check_band | band(i, j);
         if (mask != nullptr) keep &= mask[i * p.mask_si + j * p.mask_sj];
         if (block_mask != nullptr) keep &= block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
         return keep ? s : neg_inf<Acc>();

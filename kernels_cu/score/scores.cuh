@@ -14,7 +14,8 @@
 //                     whole tile inside the band needs more than the scale;
 //   forward transform masked_tile(s, ...): raw products -> log2-domain scores, -inf where any
 //                     mask says no, for a tile that is not fast;
-//   per-score form    operator()(raw, i, j): the same for one score (the backward's element pass);
+//   per-score form    operator()(raw, i, j, band): the same for one score (the backward's
+//                     element pass), with the tile's Band built once;
 //   derivative        chain_softcap(ds, raw): dS through softcap's d(c tanh(x / c)) / dx;
 //   dropout on P      keep4(i, j): the keep bits of a thread's four elements of an
 //                     accumulator tile, keep(i, j) of one score.
@@ -37,7 +38,7 @@ template <typename Acc, bool FULL>
 struct Scores {
     static constexpr bool kFull = FULL;
     const Params& p;
-    const HeadView& hv;
+    const HeadView hv;  // a copy: a reference to the caller's would keep it in memory
     ScoreOp<Acc> op;
     bool plain;    // no option touches the scores: inside the band a score is S * scale * log2(e)
     bool dropout;  // FULL and dropout_p > 0
@@ -88,8 +89,11 @@ struct Scores {
         }
     }
 
-    // The log2-domain score of row i < q_len, key j < kv_len from raw = q.k (band tested).
-    __device__ __forceinline__ Acc operator()(Acc raw, int i, int j) const { return op(p, hv, raw, i, j, true); }
+    // The log2-domain score of row i < q_len, key j < kv_len from raw = q.k, tested against the
+    // band's bounds (Band(p, hv), built once per tile by the caller).
+    __device__ __forceinline__ Acc operator()(Acc raw, int i, int j, const Band& band) const {
+        return op(p, hv, raw, i, j, true, band);
+    }
 
     // ds *= d(c tanh(x / c)) / dx = 1 - tanh^2 at the scaled score of raw, with softcap.
     __device__ __forceinline__ void chain_softcap(Acc& ds, Acc raw) const {
