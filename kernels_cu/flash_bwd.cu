@@ -217,7 +217,6 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
         Policy::template qk<HD, BLOCK_C, LD, LD>(sQ + 16 * warp * LD, sK, s);    // S = Q K^T
         Policy::template qk<HD, BLOCK_C, LD, LD>(sdO + 16 * warp * LD, sV, dp);  // dP = dO V^T
         // No option touches the scores of a full tile inside the band: S = scale * log2(e) * s.
-        const Band band(p, hv);
         const bool fast = score.plain && j0 + BLOCK_C <= hi && tile_inside_band(p, hv, i0, i0 + rows_valid, j0, j1);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
@@ -227,7 +226,7 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
             for (int e = 0; e < 4; ++e) {
                 const int x = e >> 1, i = r0 + 8 * x, j = j0 + 8 * n + 2 * t + (e & 1);
                 const Acc raw = s[0][n][e];
-                const Acc sc = fast ? raw * score.op.scale_log2 : (j < j1 && i < hv.q_len) ? score(raw, i, j, band) : neg_inf<Acc>();
+                const Acc sc = fast ? raw * score.op.scale_log2 : (j < j1 && i < hv.q_len) ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>();
                 const Acc pe = softmax_exp2(sc - lse2[x]);                          // P = exp(S - lse)
                 const Acc z = p.dropout_threshold != 0 ? ((keep >> e) & 1u ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = pe * (dp[0][n][e] * z - delta[x]);                          // dS = P (dP z - D)

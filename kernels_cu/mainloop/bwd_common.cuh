@@ -368,14 +368,13 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
     const Params& p = blk.p;
     const bool fast = tile.fast;
     const int i0 = tile.i0, i1 = tile.i1, j0 = blk.j0, keys_valid = blk.keys_valid;
-    const Band band(p, hv);
     // Rows of S^T are keys j, columns queries i0 + c.
     each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
         const int i = i0 + c;
         const Acc raw = s;
         // The log2-domain score minus lse2 (one FMA on the fast path); -inf where masked.
         const Acc x = fast ? raw * score.op.scale_log2 - sLset[c]
-                           : (i < i1 && j < j0 + keys_valid ? score(raw, i, j, band) : neg_inf<Acc>()) - sLset[c];
+                           : (i < i1 && j < j0 + keys_valid ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>()) - sLset[c];
         const bool live = fast || x != neg_inf<Acc>();
         const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
         Acc z = Acc(1);

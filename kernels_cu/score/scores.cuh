@@ -15,7 +15,7 @@
 //   forward transform masked_tile(s, ...): raw products -> log2-domain scores, -inf where any
 //                     mask says no, for a tile that is not fast;
 //   per-score form    operator()(raw, i, j, band): the same for one score (the backward's
-//                     element pass), with the tile's Band built once;
+//                     element pass);
 //   derivative        chain_softcap(ds, raw): dS through softcap's d(c tanh(x / c)) / dx;
 //   dropout on P      keep4(i, j): the keep bits of a thread's four elements of an
 //                     accumulator tile, keep(i, j) of one score.
@@ -90,7 +90,7 @@ struct Scores {
     }
 
     // The log2-domain score of row i < q_len, key j < kv_len from raw = q.k, tested against the
-    // band's bounds (Band(p, hv), built once per tile by the caller).
+    // band's bounds `band` (Band(p, hv)).
     __device__ __forceinline__ Acc operator()(Acc raw, int i, int j, const Band& band) const {
         return op(p, hv, raw, i, j, true, band);
     }
