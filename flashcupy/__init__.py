@@ -8,6 +8,7 @@ from .api import (
     flash_attention_varlen,
     flash_attention_vjp,
 )
+from .cpu_parallel import cpu_threads, get_cpu_threads, set_cpu_threads
 from .precompile import precompile
 from .reference import attention_reference
 
@@ -15,11 +16,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention_reference",
+    "cpu_threads",
     "dropout_mask",
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_forward",
     "flash_attention_varlen",
     "flash_attention_vjp",
+    "get_cpu_threads",
     "precompile",
+    "set_cpu_threads",
 ]
