@@ -35,6 +35,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from . import cpu_kernels, cpu_parallel, rng
+from .cpu_kernels import LOG2E
 from .problem import Problem, Segment, accumulator_dtype, lse_dtype
 
 #: A key tile (j0, j1, ranges, keep): ``ranges`` None or per-query key bounds (lo, hi) relative
@@ -45,13 +46,14 @@ Tile = tuple[int, int, "tuple[np.ndarray, np.ndarray] | None", "np.ndarray | Non
 def tile_sizes(pb: Problem) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): query rows and keys per tile; the only place they are chosen.
 
-    A (BLOCK_N, BLOCK_M) float32 score tile of 512 KiB stays in a core's L2 cache
-    beside the key and value tiles, and is large enough that the per-tile Python
-    work is a few percent of its products; float64 tiles are as many bytes.
+    A (BLOCK_N, BLOCK_M) score tile of 1 MiB (a core's L2 cache on current x86
+    server parts) measured fastest: large enough for BLAS to run near its peak and
+    for the per-tile Python work to be a few percent, small enough to stay in
+    cache between the two products and the elementwise passes. Wider head dims
+    take more query rows per tile, which suits the K Q^T product.
     """
-    if pb.dtype == np.float64:
-        return 128, 512
-    return 256, 512
+    block_m = 256 if pb.head_dim <= 64 else 512
+    return block_m, (1 << 20) // (block_m * accumulator_dtype(pb.dtype).itemsize)
 
 
 def backward_splits(pb: Problem, groups: int) -> int:
@@ -152,29 +154,31 @@ def _key_tiles(pb: Problem, seg: Segment, i0: int, i1: int, block_n: int,
     lo, hi = _key_range(pb, seg, i0, i1)
     if keys is not None:
         lo, hi = max(lo, keys[0]), min(hi, keys[1])
+    unmasked = pb.causal is None and pb.window is None and pb.mask is None and pb.block_mask is None
     for j0 in range(lo, hi, block_n):
         j1 = min(j0 + block_n, hi)
-        masks = _tile_masks(pb, seg, i0, i1, j0, j1)
+        masks = (None, None) if unmasked else _tile_masks(pb, seg, i0, i1, j0, j1)
         if masks is not False:
             yield (j0, j1) + masks
 
 
 def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges, keep, kernels):
-    """Turn S^T = scale * K Q^T (keys, rows) into the final scores in place; returns
-    tanh(S_raw / softcap) transposed (None without softcap).
+    """Turn S^T log2(e) = scale log2(e) K Q^T (keys, rows) into the final scores (base 2)
+    in place; returns tanh(S_raw / softcap) transposed (None without softcap).
 
-    Masked scores become -inf, which exp turns into an exact 0 probability.
+    Masked scores become -inf, which exp2 turns into an exact 0 probability.
     """
     cols, rows = st.shape
     tanh = None
     if pb.softcap is not None:
-        tanh = np.tanh(st / pb.softcap)
-        np.multiply(tanh, pb.softcap, out=st)  # S = softcap * tanh(S / softcap)
+        softcap = pb.softcap * LOG2E
+        tanh = np.tanh(st / softcap)
+        np.multiply(tanh, softcap, out=st)  # S = softcap * tanh(S / softcap)
     if pb.bias is not None:
-        st += pb.bias[seg.head][i0 : i0 + rows, j0 : j0 + cols].T
+        st += np.multiply(pb.bias[seg.head][i0 : i0 + rows, j0 : j0 + cols].T, LOG2E, dtype=st.dtype)
     if pb.alibi_slopes is not None:
         dist = np.abs(np.arange(i0, i0 + rows)[None, :] + seg.diagonal - np.arange(j0, j0 + cols)[:, None])
-        st -= (pb.alibi_slopes[seg.head] * dist).astype(st.dtype)  # S -= slope * |i + Lk - Lq - j|
+        st -= (pb.alibi_slopes[seg.head] * LOG2E * dist).astype(st.dtype)  # S -= slope * |i + Lk - Lq - j|
     if ranges is not None:
         kernels.mask_outside(st, *ranges)
     if keep is not None:
@@ -233,6 +237,7 @@ def _attended(pb: Problem, seg: Segment, i0: int, i1: int, keys: tuple[int, int]
 # --------------------------------------------------------------------------- forward
 
 
+@np.errstate(all="ignore")  # Inf/NaN inputs flow through to the results without RuntimeWarnings
 def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) in the problem's internal layout: out (..., Hq, Lq, Dv) of q's dtype, lse float32/64."""
     acc = accumulator_dtype(pb.dtype)
@@ -241,7 +246,7 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
     block_m, block_n = tile_sizes(pb)
     kernels = cpu_kernels.kernels()
     k, v = _as_operand(pb.k, acc), _as_operand(pb.v, acc)
-    scale = acc.type(pb.scale)
+    scale2 = acc.type(pb.scale * LOG2E)
     tasks, costs = [], []
     for seg in pb.segments():
         out[seg.q_index][seg.q_len :] = 0  # padded rows: output 0, lse -inf
@@ -255,26 +260,31 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
         seg, i0, i1 = task
         rows = i1 - i0
         q = scratch.get("q", rows, pb.head_dim)
-        np.multiply(pb.q[seg.q_index][i0:i1], scale, out=q, dtype=acc)  # scale * Q, rounded once
+        np.multiply(pb.q[seg.q_index][i0:i1], scale2, out=q, dtype=acc)  # scale log2(e) Q, rounded once
         ks, vs = k[seg.k_index], v[seg.k_index]
-        m = np.full(rows, -np.inf, dtype=acc)  # running row max
-        l = np.zeros(rows, dtype=acc)  # running row sum of exp(S - m)
-        alpha, shift = np.empty(rows, dtype=acc), np.empty(rows, dtype=acc)
-        o = np.zeros((rows, pb.head_dim_v), dtype=acc)  # (rows, Dv), unnormalised
+        m = scratch.get("m", rows)  # running shift (base 2): the row max, lazily
+        m[...] = -np.inf
+        l = scratch.get("l", rows)  # running row sum of 2^(S - m)
+        l[...] = 0
+        alpha, vector = scratch.get("alpha", rows), scratch.get("vector", rows)
+        o = scratch.get("o", rows, pb.head_dim_v)  # (rows, Dv), unnormalised
+        o[...] = 0
         pv = scratch.get("pv", rows, pb.head_dim_v)
         for j0, j1, ranges, keep in _key_tiles(pb, seg, i0, i1, block_n):
             st = scratch.get("s", j1 - j0, rows)
-            np.matmul(ks[j0:j1], q.T, out=st)  # S^T = scale * K Q^T
-            _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
-            kernels.forward_tile(st, m, l, alpha, shift)  # P^T = exp(S^T - m); lse is taken before dropout
+            for exact in (False, True):  # exact only when the lazy shift asks to recompute
+                np.matmul(ks[j0:j1], q.T, out=st)  # S^T = scale log2(e) K Q^T
+                _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
+                if kernels.forward_tile(st, m, l, alpha, vector, exact):  # P^T = 2^(S^T - m), before dropout
+                    break
             if pb.dropout_p > 0:
                 st *= _dropout_scale(pb, seg, i0, i1, j0, j1, acc)
             np.matmul(st.T, vs[j0:j1], out=pv)
             kernels.rescale_add(o, alpha, pv)  # O = alpha O + P V
-        live = l != 0  # l = 0 only when every score of the row was masked; NaN stays live
-        inv_l = np.where(live, 1.0 / np.where(live, l, 1), 0).astype(acc)
-        out[seg.q_index][i0:i1] = np.where(live[:, None], o * inv_l[:, None], 0).astype(pb.dtype)
-        lse[seg.lse_index][i0:i1] = np.where(live, m + np.log(l), -np.inf)  # natural-log lse
+        out_rows = out[seg.q_index][i0:i1]
+        kernels.finish(o, m, l, lse[seg.lse_index][i0:i1], out_rows if out.dtype == acc else o)
+        if out.dtype != acc:
+            out_rows[...] = o
 
     cpu_parallel.run_tasks(_by_cost(tasks, costs), run, lambda: _Scratch(acc))
     return out, lse
@@ -325,6 +335,7 @@ def _backward_tasks(pb: Problem, units: list[_Unit], bias_grad: bool) -> list[li
     return list(tasks.values())
 
 
+@np.errstate(all="ignore")
 def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bias_grad: bool):
     """(dq, dk, dv, dbias) in the problem's internal layout; dbias None unless ``bias_grad``.
 
@@ -344,7 +355,7 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
     block_m, block_n = tile_sizes(pb)
     kernels = cpu_kernels.kernels()
     k, v = _as_operand(pb.k, acc), _as_operand(pb.v, acc)
-    scale = acc.type(pb.scale)
+    scale, scale2 = acc.type(pb.scale), acc.type(pb.scale * LOG2E)
 
     groups = _groups(pb)
     splits = backward_splits(pb, len(groups))
@@ -375,19 +386,22 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
                 first = next(tiles, None)
                 if first is None:
                     continue
+                q_rows = pb.q[seg.q_index][i0:i1]
+                q2 = scratch.get("q2", rows, pb.head_dim)
+                np.multiply(q_rows, scale2, out=q2, dtype=acc)  # for S in base 2, as the forward
                 q = scratch.get("q", rows, pb.head_dim)
-                np.multiply(pb.q[seg.q_index][i0:i1], scale, out=q, dtype=acc)
+                np.multiply(q_rows, scale, out=q, dtype=acc)  # for dK = scale dS^T Q
                 do = scratch.get("do", rows, pb.head_dim_v)
                 do[...] = dout[seg.q_index][i0:i1]
                 delta = np.sum(do * np.asarray(out[seg.q_index][i0:i1], dtype=acc), axis=1)  # D = rowsum(dO * O)
-                lse_rows = np.asarray(lse[seg.lse_index][i0:i1], dtype=acc)
+                lse_rows = np.asarray(lse[seg.lse_index][i0:i1], dtype=acc) * acc.type(LOG2E)
                 lse_safe = np.where(lse_rows == -np.inf, acc.type(0), lse_rows)  # fully masked rows: P = 0
                 dq_rows = scratch.get("dq", rows, pb.head_dim)
                 dq_rows[...] = 0
                 for j0, j1, ranges, keep in _with_first(first, tiles):
                     n = j1 - j0
                     st = scratch.get("s", n, rows)
-                    np.matmul(ks[j0:j1], q.T, out=st)  # S^T
+                    np.matmul(ks[j0:j1], q2.T, out=st)  # S^T log2(e)
                     tanh = _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
                     dpt = scratch.get("dp", n, rows)
                     np.matmul(vs[j0:j1], do.T, out=dpt)  # dP^T = V dO^T

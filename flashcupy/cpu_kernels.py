@@ -1,16 +1,26 @@
 """The elementwise work on one score tile of the CPU backend, in two implementations.
 
 Tiles are *transposed*: ``st`` holds S^T, shape (keys, queries), C-contiguous,
-so that every per-query statistic (running max, running sum, lse, D) is a
+so that every per-query statistic (running shift, running sum, lse, D) is a
 vector along the fast axis and every loop here is elementwise across queries:
 it vectorises without reassociating a sum, and sums are taken in key order.
 
+Scores are in base-2 units, S * log2(e) (the caller folds log2(e) into the
+scale), so that probabilities are 2^(s - m): the range reduction of exp2 is a
+single exact subtraction.
+
 - the compiled kernels (with Numba installed, ``pip install 'flashcupy[cpu]'``):
-  one compiled pass per step, vectorised, the GIL released; exp is evaluated by
-  range reduction (x = n ln 2 + r, Cody-Waite) and a Taylor polynomial in r
-  (degree 7 for float32, 13 for float64: relative error about 1 ulp), exactly 0
-  below the smallest normal result.
-- :class:`NumpyKernels`: the same steps as NumPy calls (np.exp).
+  one vectorised pass per step with the GIL released. 2^x = 2^n 2^f with n =
+  round(x), |f| <= 1/2, and 2^f a polynomial: for float32 of degree 6, fitted
+  to minimise the relative error on [-1/2, 1/2] with p(0) = 1 (1e-7 in float32
+  arithmetic); for float64 the Taylor series of e^(f ln 2) to degree 13. Results
+  below the smallest normal number are 0; x is clamped at 64 above (callers
+  never pass more). The forward rescales lazily: after a query's first tile its
+  shift m only moves when a tile's scores exceed it by more than LAZY_HEADROOM
+  (then by a whole power of two, so that rescaling is exact), which skips the
+  separate max pass on most tiles.
+- :class:`NumpyKernels`: the same steps as NumPy calls (np.exp2), with the
+  running maximum as the shift.
 
 Both give the semantics of design.md section 2 with the same special values: a
 query whose scores are all -inf keeps m = -inf and l = 0; NaN or +inf among a
@@ -31,6 +41,15 @@ from typing import Protocol
 
 import numpy as np
 
+#: Scores are held in base 2 (S log2 e): probabilities are exp2 of a difference.
+LOG2E = 1 / math.log(2)
+LN2 = math.log(2)
+#: How far (base 2) a tile's scores may exceed the running shift before the forward rescales:
+#: probabilities stay below 2^8, sums below 2^8 times the keys.
+LAZY_HEADROOM = 8.0
+#: float32 coefficients of 2^f on [-1/2, 1/2], degree 0 up (see the module docstring).
+EXP2_F32 = (1.0, 0.693147182, 0.240226477, 0.0555033237, 0.00961843692, 0.0013398875, 0.00015353362)
+
 
 class TileKernels(Protocol):
     """The elementwise steps on transposed tiles; every array is modified in place.
@@ -41,16 +60,18 @@ class TileKernels(Protocol):
     name: str
 
     def forward_tile(self, st: np.ndarray, m: np.ndarray, l: np.ndarray, alpha: np.ndarray,
-                     shift: np.ndarray) -> None:
-        """Online softmax step: m_new = max(m, max_j st), alpha = exp(m - m_new),
-        st = exp(st - m_new), l = l * alpha + sum_j st, m = m_new (m_new read as 0
-        where it is -inf; alpha NaN where m_new is NaN or +inf). ``shift`` is scratch."""
+                     scratch: np.ndarray, exact: bool) -> bool:
+        """Online softmax step with shift m (base 2): st = 2^(st - m_new), alpha =
+        2^(m - m_new), l = l * alpha + sum_j st, m = m_new, where m_new >= max_j st -
+        LAZY_HEADROOM (-inf and NaN/+inf as in the module docstring: alpha NaN for a
+        NaN row). With ``exact`` m_new = max(m, max_j st). Returns False, having
+        changed only st, when the tile must be recomputed and passed with ``exact``."""
 
     def backward_tile(self, st: np.ndarray, dpt: np.ndarray, lse: np.ndarray, delta: np.ndarray,
                       z: np.ndarray | None) -> None:
-        """P = exp(st - lse); st = P * z; dpt = P * (dpt * z - delta) (z = 1 without dropout).
+        """P = 2^(st - lse); st = P * z; dpt = P * (dpt * z - delta) (z = 1 without dropout).
 
-        ``lse`` has -inf already replaced by 0."""
+        ``lse`` is base 2, with -inf already replaced by 0."""
 
     def mask_outside(self, st: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
         """st[j, i] = -inf unless lo[i] <= j < hi[i] (tile-relative key bounds per query)."""
@@ -58,26 +79,31 @@ class TileKernels(Protocol):
     def rescale_add(self, o: np.ndarray, alpha: np.ndarray, pv: np.ndarray) -> None:
         """o = o * alpha[:, None] + pv, with o and pv (m, Dv)."""
 
+    def finish(self, o: np.ndarray, m: np.ndarray, l: np.ndarray, lse: np.ndarray, out: np.ndarray) -> None:
+        """out = o / l and lse = (m + log2 l) ln 2 (natural log), where l != 0; out = 0 and
+        lse = -inf for rows whose every score was masked (NaN rows stay NaN). o, out (m, Dv)."""
+
 
 class NumpyKernels:
     """The tile steps as NumPy calls."""
 
     name = "numpy"
 
-    def forward_tile(self, st, m, l, alpha, shift):
+    def forward_tile(self, st, m, l, alpha, scratch, exact):
         m_new = np.maximum(m, st.max(axis=0))
         m_safe = np.where(m_new == -np.inf, m.dtype.type(0), m_new)
-        np.exp(m - m_safe, out=alpha)
+        np.exp2(m - m_safe, out=alpha)
         alpha[~(m_new < np.inf)] = np.nan  # NaN or +inf among the scores: the whole row is NaN
         st -= m_safe
-        np.exp(st, out=st)
+        np.exp2(st, out=st)
         l *= alpha
         l += st.sum(axis=0)
         m[...] = m_new
+        return True
 
     def backward_tile(self, st, dpt, lse, delta, z):
         st -= lse
-        np.exp(st, out=st)  # P
+        np.exp2(st, out=st)  # P
         if z is not None:
             dpt *= z
         dpt -= delta
@@ -93,10 +119,15 @@ class NumpyKernels:
         o *= alpha[:, None]
         o += pv
 
+    def finish(self, o, m, l, lse, out):
+        live = l != 0  # l = 0 only when every score of the row was masked; NaN stays live
+        inv_l = (1 / np.where(live, l, 1)).astype(o.dtype)
+        np.copyto(out, np.where(live[:, None], o * inv_l[:, None], 0), casting="unsafe")
+        lse[...] = np.where(live, (m + np.log2(l)) * LN2, -np.inf)
+
 
 def _numba_kernels():
     """The compiled tile steps (imports Numba; compiles on first use, cached on disk)."""
-    from llvmlite import ir
     from numba import njit, types
     from numba.extending import intrinsic, overload
 
@@ -111,50 +142,45 @@ def _numba_kernels():
         return same_size[x](x), lambda context, builder, sig, args: builder.bitcast(
             args[0], context.get_value_type(sig.return_type))
 
-    def exp_finite(x):
-        """exp(x) for x <= 88 (float32) / 709 (float64), 0 below the smallest normal result, NaN -> 0."""
+    def exp2_finite(x):
+        """2^x for x <= 64, 0 below the smallest normal result, NaN -> 0."""
 
-    def exp_any(x):
-        """exp_finite, with NaN -> NaN."""
+    def exp2_any(x):
+        """exp2_finite, with NaN -> NaN."""
 
-    @overload(exp_finite, fastmath={"contract"})
-    def exp_finite_impl(x):
+    @overload(exp2_finite, fastmath={"contract"})
+    def exp2_finite_impl(x):
         if x == types.float32:
-            f, i, taylor = np.float32, np.int32, 7
-            lowest, highest, ln2_hi, ln2_lo, bias, mantissa = -87.3, 88.0, 0.693359375, -2.12194440e-4, 127, 23
+            f, i, lowest, bias, mantissa = np.float32, np.int32, -126.0, 127, 23
+            coefs = EXP2_F32
         elif x == types.float64:
-            f, i, taylor = np.float64, np.int64, 13
-            lowest, highest, ln2_hi, ln2_lo, bias, mantissa = (
-                -708.3, 709.0, 6.93147180369123816490e-01, 1.90821492927058770002e-10, 1023, 52)
+            f, i, lowest, bias, mantissa = np.float64, np.int64, -1022.0, 1023, 52
+            coefs = tuple(math.log(2) ** d / math.factorial(d) for d in range(14))
         else:
             return None
-        lowest, highest, ln2_hi, ln2_lo, zero = f(lowest), f(highest), f(ln2_hi), f(ln2_lo), f(0)
-        log2e = f(1 / math.log(2))
+        lowest, highest, zero = f(lowest), f(64), f(0)
         magic = f(1.5 * 2.0**mantissa)  # adding it rounds to an integer, held in the low mantissa bits
         bias, mantissa = i(bias), i(mantissa)
-        coefs = tuple(f(1 / math.factorial(d)) for d in range(taylor - 1, -1, -1))
-        top = f(1 / math.factorial(taylor))
+        top, rest = f(coefs[-1]), tuple(f(c) for c in coefs[-2::-1])
 
         def impl(x):
             xc = x if x > lowest else lowest
             xc = xc if xc < highest else highest
-            t = xc * log2e + magic
-            n = t - magic  # round(x / ln 2)
-            r = xc - n * ln2_hi
-            r = r - n * ln2_lo  # x - n ln 2, |r| <= ln 2 / 2
+            t = xc + magic
+            frac = xc - (t - magic)  # x - round(x), exact
             p = top
-            for c in coefs:
-                p = p * r + c
-            # 2^n from the bits of t: its low bits hold n, the shift drops the magic's exponent.
+            for c in rest:
+                p = p * frac + c
+            # 2^round(x) from the bits of t: its low bits hold round(x), the shift drops the magic's exponent.
             y = p * bitcast(i((bitcast(t) + bias) << mantissa))
             return y if x > lowest else zero
 
         return impl
 
-    @overload(exp_any, fastmath={"contract"})
-    def exp_any_impl(x):
+    @overload(exp2_any, fastmath={"contract"})
+    def exp2_any_impl(x):
         def impl(x):
-            y = exp_finite(x)
+            y = exp2_finite(x)
             return y if x == x else x
 
         return impl if x in (types.float32, types.float64) else None
@@ -162,25 +188,72 @@ def _numba_kernels():
     jit = njit(nogil=True, cache=True, fastmath={"contract"})
 
     @jit
-    def forward_tile(st, m, l, alpha, shift):
+    def forward_exact(st, m, l, alpha, tracker):
         n, cols = st.shape
         for i in range(cols):
-            shift[i] = m[i]  # the new running max, first
+            tracker[i] = m[i]  # the new running max
         for j in range(n):
             for i in range(cols):
                 x = st[j, i]
-                shift[i] = x if (x > shift[i]) | (x != x) else shift[i]  # NaN sticks
+                tracker[i] = x if (x > tracker[i]) | (x != x) else tracker[i]  # NaN sticks
         for i in range(cols):
-            m_new = shift[i]
-            shift[i] = m_new if m_new != -np.inf else np.float32(0)  # all masked so far: exp(-inf - 0) = 0
-            alpha[i] = exp_any(m[i] - shift[i]) if m_new < np.inf else np.float32(np.nan)  # NaN/+inf: NaN row
+            m_new = tracker[i]
+            tracker[i] = m_new if m_new != -np.inf else np.float32(0)  # all masked so far: 2^(-inf - 0) = 0
+            alpha[i] = exp2_any(m[i] - tracker[i]) if m_new < np.inf else np.float32(np.nan)  # NaN/+inf: NaN row
             m[i] = m_new
             l[i] *= alpha[i]
         for j in range(n):
             for i in range(cols):
-                e = exp_finite(st[j, i] - shift[i])
+                e = exp2_finite(st[j, i] - tracker[i])
                 st[j, i] = e
                 l[i] += e
+
+    @jit
+    def forward_lazy(st, m, l, alpha, tracker, headroom):
+        n, cols = st.shape
+        for i in range(cols):
+            tracker[i] = m[i]  # max(m, tile max)
+            alpha[i] = 0  # the tile's sum, until the end
+        for j in range(n):
+            for i in range(cols):
+                x = st[j, i]
+                tracker[i] = x if (x > tracker[i]) | (x != x) else tracker[i]
+                e = exp2_finite(x - m[i])
+                st[j, i] = e
+                alpha[i] += e
+        for i in range(cols):
+            jump = tracker[i] - m[i]
+            if (jump > 48) & (jump < np.inf):  # 2^(st - m) may have reached exp2's clamp: recompute
+                return False
+        for i in range(cols):
+            jump = tracker[i] - m[i]
+            if jump <= headroom:
+                l[i] += alpha[i]
+                alpha[i] = 1
+            elif jump < np.inf:  # shift m by a whole power of two: exact rescaling
+                k = np.ceil(jump)
+                beta = exp2_finite(-k)
+                for j in range(n):
+                    st[j, i] *= beta
+                l[i] = (l[i] + alpha[i]) * beta
+                m[i] += k
+                alpha[i] = beta
+            else:  # NaN or +inf score: NaN row
+                m[i] = tracker[i]
+                l[i] = np.float32(np.nan)
+                alpha[i] = np.float32(np.nan)
+        return True
+
+    @jit
+    def forward_tile(st, m, l, alpha, scratch, exact):
+        if not exact:
+            exact = False
+            for i in range(st.shape[1]):
+                exact |= not (-np.inf < m[i] < np.inf)  # no shift yet, or a NaN row
+        if exact:
+            forward_exact(st, m, l, alpha, scratch)
+            return True
+        return forward_lazy(st, m, l, alpha, scratch, LAZY_HEADROOM)
 
     @jit
     def backward_tile(st, dpt, lse, delta, z):
@@ -188,13 +261,13 @@ def _numba_kernels():
         if z is None:
             for j in range(n):
                 for i in range(cols):
-                    p = exp_any(st[j, i] - lse[i])
+                    p = exp2_any(st[j, i] - lse[i])
                     st[j, i] = p
                     dpt[j, i] = p * (dpt[j, i] - delta[i])
         else:
             for j in range(n):
                 for i in range(cols):
-                    p = exp_any(st[j, i] - lse[i])
+                    p = exp2_any(st[j, i] - lse[i])
                     st[j, i] = p * z[j, i]
                     dpt[j, i] = p * (dpt[j, i] * z[j, i] - delta[i])
 
@@ -203,7 +276,7 @@ def _numba_kernels():
         n, cols = st.shape
         for j in range(n):
             for i in range(cols):
-                st[j, i] = st[j, i] if (j >= lo[i]) & (j < hi[i]) else -np.inf
+                st[j, i] = st[j, i] if (j >= lo[i]) & (j < hi[i]) else np.float32(-np.inf)
 
     @jit
     def rescale_add(o, alpha, pv):
@@ -213,8 +286,22 @@ def _numba_kernels():
             for d in range(cols):
                 o[i, d] = o[i, d] * a + pv[i, d]
 
+    @jit
+    def finish(o, m, l, lse, out):
+        rows, cols = o.shape
+        for i in range(rows):
+            if l[i] != 0:  # l = 0 only when every score of the row was masked; NaN stays live
+                inv = np.float32(1) / l[i]
+                for d in range(cols):
+                    out[i, d] = o[i, d] * inv
+                lse[i] = (m[i] + np.log2(l[i])) * LN2
+            else:
+                for d in range(cols):
+                    out[i, d] = 0
+                lse[i] = -np.inf
+
     return SimpleNamespace(name="numba", forward_tile=forward_tile, backward_tile=backward_tile,
-                           mask_outside=mask_outside, rescale_add=rescale_add)
+                           mask_outside=mask_outside, rescale_add=rescale_add, finish=finish)
 
 
 _NUMPY = NumpyKernels()

@@ -103,3 +103,31 @@ def test_compiled_and_numpy_kernels_agree_on_special_values(name, dtype, array, 
         assert np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(np.isinf(a), np.isinf(b))
         finite = np.isfinite(a)
         np.testing.assert_allclose(a[finite], b[finite], rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("jit", JIT)
+def test_fully_masked_row_stays_zero_beside_infinite_values(jit):
+    """A row masked everywhere, in a tile other rows attend, gives out 0 and lse -inf even
+    where v holds inf (0 * inf would be NaN)."""
+    rs = np.random.default_rng(3)
+    q, k, v = (rs.standard_normal((12, 8)).astype(np.float32) for _ in range(3))
+    v[4] = np.inf
+    mask = np.ones((12, 12), bool)
+    mask[2] = False
+    with kernels(jit):
+        out, lse = fc.flash_attention(q, k, v, mask=mask, return_lse=True, backend="cpu")
+    assert np.all(out[2] == 0) and lse[2] == -np.inf
+    assert np.all(np.isnan(out[np.arange(12) != 2]).any(axis=-1) | np.isinf(out[np.arange(12) != 2]).any(axis=-1))
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("jit", JIT)
+@pytest.mark.parametrize("scale", [3e38, -1e30, 1e-38])
+def test_extreme_scales_raise_no_warning(jit, scale):
+    rs = np.random.default_rng(4)
+    q, k, v, dout = (rs.standard_normal((2, 16, 8)).astype(np.float32) for _ in range(4))
+    with kernels(jit):
+        out, vjp = fc.flash_attention_vjp(q, k, v, scale=scale, backend="cpu")
+        grads = vjp(dout)
+    assert out.shape == q.shape and all(g.shape == x.shape for g, x in zip(grads, (q, k, v)))
