@@ -14,11 +14,10 @@ single exact subtraction.
   round(x), |f| <= 1/2, and 2^f a polynomial: for float32 of degree 6, fitted
   to minimise the relative error on [-1/2, 1/2] with p(0) = 1 (1e-7 in float32
   arithmetic); for float64 the Taylor series of e^(f ln 2) to degree 13. Results
-  below the smallest normal number are 0; x is clamped at 64 above (callers
-  never pass more). The forward rescales lazily: after a query's first tile its
-  shift m only moves when a tile's scores exceed it by more than LAZY_HEADROOM
-  (then by a whole power of two, so that rescaling is exact), which skips the
-  separate max pass on most tiles.
+  below the smallest normal number are 0, NaN stays NaN. The forward rescales
+  lazily: after a query's first tile its shift m only moves when a tile's scores
+  exceed it by more than LAZY_HEADROOM (then by a whole power of two, so that
+  rescaling is exact), which skips the separate max pass on most tiles.
 - :class:`NumpyKernels`: the same steps as NumPy calls (np.exp2), with the
   running maximum as the shift.
 
@@ -26,7 +25,7 @@ Both give the semantics of design.md section 2 with the same special values: a
 query whose scores are all -inf keeps m = -inf and l = 0; NaN or +inf among a
 query's scores makes its l (and so out and lse) NaN. Callers run them under
 ``np.errstate(all="ignore")`` (see cpu_parallel), so that Inf/NaN inputs raise
-no RuntimeWarning.
+no RuntimeWarning. tests/test_cpu_kernels.py holds the two to each other.
 
 Select with :func:`kernels`; ``FLASHCUPY_CPU_JIT=0`` in the environment forces
 NumPy.
@@ -63,8 +62,8 @@ class TileKernels(Protocol):
                      scratch: np.ndarray, exact: bool) -> bool:
         """Online softmax step with shift m (base 2): st = 2^(st - m_new), alpha =
         2^(m - m_new), l = l * alpha + sum_j st, m = m_new, where m_new >= max_j st -
-        LAZY_HEADROOM (-inf and NaN/+inf as in the module docstring: alpha NaN for a
-        NaN row). With ``exact`` m_new = max(m, max_j st). Returns False, having
+        LAZY_HEADROOM; with ``exact``, m_new = max(m, max_j st). Special values as in the
+        module docstring (a NaN or +inf score leaves l NaN). Returns False, having
         changed only st, when the tile must be recomputed and passed with ``exact``."""
 
     def backward_tile(self, st: np.ndarray, dpt: np.ndarray, lse: np.ndarray, delta: np.ndarray,
@@ -112,8 +111,10 @@ class NumpyKernels:
             st *= z  # P z, for dV
 
     def mask_outside(self, st, lo, hi):
-        keys = np.arange(st.shape[0])[:, None]
-        np.copyto(st, -np.inf, where=(keys < lo) | (keys >= hi))
+        kept_from, kept_to = lo.max(), hi.min()  # keys every query keeps: nothing to mask there
+        for start, stop in ((0, kept_from), (max(kept_from, kept_to), st.shape[0])):
+            keys = np.arange(start, stop)[:, None]
+            np.copyto(st[start:stop], -np.inf, where=(keys < lo) | (keys >= hi))
 
     def rescale_add(self, o, alpha, pv):
         o *= alpha[:, None]
@@ -142,14 +143,12 @@ def _numba_kernels():
         return same_size[x](x), lambda context, builder, sig, args: builder.bitcast(
             args[0], context.get_value_type(sig.return_type))
 
-    def exp2_finite(x):
-        """2^x for x <= 64, 0 below the smallest normal result, NaN -> 0."""
+    def exp2(x):
+        """2^x for x < 2^7 (float32) / 2^10 (float64), 0 below the smallest normal result,
+        NaN -> NaN; larger x give garbage (callers never pass it, or discard the result)."""
 
-    def exp2_any(x):
-        """exp2_finite, with NaN -> NaN."""
-
-    @overload(exp2_finite, fastmath={"contract"})
-    def exp2_finite_impl(x):
+    @overload(exp2, fastmath={"contract"})
+    def exp2_impl(x):
         if x == types.float32:
             f, i, lowest, bias, mantissa = np.float32, np.int32, -126.0, 127, 23
             coefs = EXP2_F32
@@ -158,14 +157,13 @@ def _numba_kernels():
             coefs = tuple(math.log(2) ** d / math.factorial(d) for d in range(14))
         else:
             return None
-        lowest, highest, zero = f(lowest), f(64), f(0)
+        lowest, zero = f(lowest), f(0)
         magic = f(1.5 * 2.0**mantissa)  # adding it rounds to an integer, held in the low mantissa bits
         bias, mantissa = i(bias), i(mantissa)
         top, rest = f(coefs[-1]), tuple(f(c) for c in coefs[-2::-1])
 
         def impl(x):
             xc = x if x > lowest else lowest
-            xc = xc if xc < highest else highest
             t = xc + magic
             frac = xc - (t - magic)  # x - round(x), exact
             p = top
@@ -173,17 +171,9 @@ def _numba_kernels():
                 p = p * frac + c
             # 2^round(x) from the bits of t: its low bits hold round(x), the shift drops the magic's exponent.
             y = p * bitcast(i((bitcast(t) + bias) << mantissa))
-            return y if x > lowest else zero
+            return y if x > lowest else (x if x != x else zero)
 
         return impl
-
-    @overload(exp2_any, fastmath={"contract"})
-    def exp2_any_impl(x):
-        def impl(x):
-            y = exp2_finite(x)
-            return y if x == x else x
-
-        return impl if x in (types.float32, types.float64) else None
 
     jit = njit(nogil=True, cache=True, fastmath={"contract"})
 
@@ -194,17 +184,16 @@ def _numba_kernels():
             tracker[i] = m[i]  # the new running max
         for j in range(n):
             for i in range(cols):
-                x = st[j, i]
-                tracker[i] = x if (x > tracker[i]) | (x != x) else tracker[i]  # NaN sticks
+                tracker[i] = max(tracker[i], st[j, i])  # a NaN score reaches l through exp2 below
         for i in range(cols):
             m_new = tracker[i]
             tracker[i] = m_new if m_new != -np.inf else np.float32(0)  # all masked so far: 2^(-inf - 0) = 0
-            alpha[i] = exp2_any(m[i] - tracker[i]) if m_new < np.inf else np.float32(np.nan)  # NaN/+inf: NaN row
+            alpha[i] = exp2(m[i] - tracker[i]) if m_new < np.inf else np.float32(np.nan)  # +inf score: NaN row
             m[i] = m_new
             l[i] *= alpha[i]
         for j in range(n):
             for i in range(cols):
-                e = exp2_finite(st[j, i] - tracker[i])
+                e = exp2(st[j, i] - tracker[i])
                 st[j, i] = e
                 l[i] += e
 
@@ -217,13 +206,13 @@ def _numba_kernels():
         for j in range(n):
             for i in range(cols):
                 x = st[j, i]
-                tracker[i] = x if (x > tracker[i]) | (x != x) else tracker[i]
-                e = exp2_finite(x - m[i])
+                tracker[i] = max(tracker[i], x)
+                e = exp2(x - m[i])  # NaN stays NaN, into l
                 st[j, i] = e
                 alpha[i] += e
         for i in range(cols):
             jump = tracker[i] - m[i]
-            if (jump > 48) & (jump < np.inf):  # 2^(st - m) may have reached exp2's clamp: recompute
+            if (jump > 48) & (jump < np.inf):  # 2^(st - m) may be past exp2's range: recompute
                 return False
         for i in range(cols):
             jump = tracker[i] - m[i]
@@ -232,13 +221,13 @@ def _numba_kernels():
                 alpha[i] = 1
             elif jump < np.inf:  # shift m by a whole power of two: exact rescaling
                 k = np.ceil(jump)
-                beta = exp2_finite(-k)
+                beta = exp2(-k)
                 for j in range(n):
                     st[j, i] *= beta
                 l[i] = (l[i] + alpha[i]) * beta
                 m[i] += k
                 alpha[i] = beta
-            else:  # NaN or +inf score: NaN row
+            else:  # +inf score (or NaN): NaN row
                 m[i] = tracker[i]
                 l[i] = np.float32(np.nan)
                 alpha[i] = np.float32(np.nan)
@@ -261,20 +250,25 @@ def _numba_kernels():
         if z is None:
             for j in range(n):
                 for i in range(cols):
-                    p = exp2_any(st[j, i] - lse[i])
+                    x = st[j, i] - lse[i]
+                    p = exp2(np.float32(64) if x > 64 else x)  # 64: beyond any consistent lse
                     st[j, i] = p
                     dpt[j, i] = p * (dpt[j, i] - delta[i])
         else:
             for j in range(n):
                 for i in range(cols):
-                    p = exp2_any(st[j, i] - lse[i])
+                    x = st[j, i] - lse[i]
+                    p = exp2(np.float32(64) if x > 64 else x)
                     st[j, i] = p * z[j, i]
                     dpt[j, i] = p * (dpt[j, i] * z[j, i] - delta[i])
 
     @jit
     def mask_outside(st, lo, hi):
         n, cols = st.shape
+        kept_from, kept_to = lo.max(), hi.min()  # keys every query keeps: nothing to mask there
         for j in range(n):
+            if kept_from <= j < kept_to:
+                continue
             for i in range(cols):
                 st[j, i] = st[j, i] if (j >= lo[i]) & (j < hi[i]) else np.float32(-np.inf)
 
