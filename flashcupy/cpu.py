@@ -4,11 +4,13 @@ Tiles. Per (batch..., query head) segment, query rows are cut into blocks of
 ``BLOCK_M`` and keys into tiles of ``BLOCK_N`` (:func:`tile_sizes`). Scores are
 computed transposed, S^T = K_j Q_i^T of shape (keys, queries): that product
 runs near BLAS's peak even for small head dims, and every per-query statistic
-is a vector along the tile's fast axis (see cpu_kernels). The forward keeps a
-running maximum ``m``, a running sum ``l`` and an unnormalised accumulator,
-rescaling them as each key tile arrives (online softmax), and normalises once
-at the end; the backward recomputes each probability tile from the saved
-log-sum-exp. Nothing larger than a tile is allocated for scores, so extra
+is a vector along the tile's fast axis (see cpu_kernels). Scores are held in
+base 2 (log2(e) folded into the scale, as FlashAttention does) so that
+probabilities are exp2 of a difference. The forward keeps a running shift ``m``
+(the row maximum, updated lazily), a running sum ``l`` and an unnormalised
+accumulator, rescaling them as each key tile arrives (online softmax), and
+normalises once at the end; the backward recomputes each probability tile from
+the saved log-sum-exp. Nothing larger than a tile is allocated for scores, so extra
 memory is O(L) per thread, and key tiles that causal, window, block or boolean
 masks rule out entirely are never computed; causal and window bounds inside a
 tile are applied per query as key ranges.
@@ -34,7 +36,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import cpu_kernels, cpu_parallel, rng
+from . import cpu_kernels, cpu_parallel
 from .cpu_kernels import LOG2E
 from .problem import Problem, Segment, accumulator_dtype, lse_dtype
 
@@ -46,11 +48,11 @@ Tile = tuple[int, int, "tuple[np.ndarray, np.ndarray] | None", "np.ndarray | Non
 def tile_sizes(pb: Problem) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): query rows and keys per tile; the only place they are chosen.
 
-    A (BLOCK_N, BLOCK_M) score tile of 1 MiB (a core's L2 cache on current x86
-    server parts) measured fastest: large enough for BLAS to run near its peak and
-    for the per-tile Python work to be a few percent, small enough to stay in
-    cache between the two products and the elementwise passes. Wider head dims
-    take more query rows per tile, which suits the K Q^T product.
+    A (BLOCK_N, BLOCK_M) score tile of 1 MiB measured fastest (of 128 KiB to 4 MiB,
+    on an AVX-512 server core with 1 MiB of L2): large enough for BLAS to run near
+    its peak and for the per-tile Python work to be a few percent, small enough to
+    stay in cache between the two products and the elementwise passes. Wider head
+    dims take more query rows per tile, which suits the K Q^T product.
     """
     block_m = 256 if pb.head_dim <= 64 else 512
     return block_m, (1 << 20) // (block_m * accumulator_dtype(pb.dtype).itemsize)
@@ -186,16 +188,6 @@ def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges,
     return tanh
 
 
-def _dropout_scale(pb: Problem, seg: Segment, i0: int, i1: int, j0: int, j1: int, dtype) -> np.ndarray:
-    """keep / (1 - dropout_p) for one tile, transposed to (keys, rows), from the same
-    Philox bits as every backend."""
-    keep = rng.dropout_keep(
-        pb.seed, pb.dropout_offset, seg.bh,
-        np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :], pb.dropout_p,
-    )
-    return np.ascontiguousarray(keep.T).astype(dtype) * dtype.type(1.0 / (1.0 - pb.dropout_p))
-
-
 def _as_operand(x: Any, acc: np.dtype) -> np.ndarray:
     """``x`` in the accumulator dtype with a contiguous last axis (what BLAS reads
     without a copy): x itself when it already is, else one converted copy."""
@@ -278,7 +270,9 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 if kernels.forward_tile(st, m, l, alpha, vector, exact):  # P^T = 2^(S^T - m), before dropout
                     break
             if pb.dropout_p > 0:
-                st *= _dropout_scale(pb, seg, i0, i1, j0, j1, acc)
+                z = scratch.get("z", j1 - j0, rows)
+                kernels.dropout_scale(z, pb.seed, pb.dropout_offset, seg.bh, i0, j0, pb.dropout_p)
+                st *= z
             np.matmul(st.T, vs[j0:j1], out=pv)
             kernels.rescale_add(o, alpha, pv)  # O = alpha O + P V
         out_rows = out[seg.q_index][i0:i1]
@@ -405,7 +399,10 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
                     tanh = _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
                     dpt = scratch.get("dp", n, rows)
                     np.matmul(vs[j0:j1], do.T, out=dpt)  # dP^T = V dO^T
-                    z = _dropout_scale(pb, seg, i0, i1, j0, j1, acc) if pb.dropout_p > 0 else None
+                    z = None
+                    if pb.dropout_p > 0:
+                        z = scratch.get("z", n, rows)
+                        kernels.dropout_scale(z, pb.seed, pb.dropout_offset, seg.bh, i0, j0, pb.dropout_p)
                     kernels.backward_tile(st, dpt, lse_safe, delta, z)  # st = P'^T, dpt = dS^T
                     dv_seg[j0:j1] += np.matmul(st, do, out=scratch.get("dv", n, pb.head_dim_v))  # dV += P'^T dO
                     if bias_grad:

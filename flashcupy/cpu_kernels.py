@@ -40,6 +40,8 @@ from typing import Protocol
 
 import numpy as np
 
+from . import rng
+
 #: Scores are held in base 2 (S log2 e): probabilities are exp2 of a difference.
 LOG2E = 1 / math.log(2)
 LN2 = math.log(2)
@@ -75,6 +77,9 @@ class TileKernels(Protocol):
     def mask_outside(self, st: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
         """st[j, i] = -inf unless lo[i] <= j < hi[i] (tile-relative key bounds per query)."""
 
+    def dropout_scale(self, z: np.ndarray, seed: int, offset: int, bh: int, i0: int, j0: int, p: float) -> None:
+        """z[j, i] = keep(bh, i0 + i, j0 + j) / (1 - p): the Philox bits of flashcupy.rng."""
+
     def rescale_add(self, o: np.ndarray, alpha: np.ndarray, pv: np.ndarray) -> None:
         """o = o * alpha[:, None] + pv, with o and pv (m, Dv)."""
 
@@ -109,6 +114,11 @@ class NumpyKernels:
         dpt *= st  # dS = P (dP z - D)
         if z is not None:
             st *= z  # P z, for dV
+
+    def dropout_scale(self, z, seed, offset, bh, i0, j0, p):
+        keep = rng.dropout_keep(seed, offset, bh, np.arange(i0, i0 + z.shape[1])[:, None],
+                                np.arange(j0, j0 + z.shape[0])[None, :], p)
+        np.multiply(keep.T, z.dtype.type(1 / (1 - p)), out=z)
 
     def mask_outside(self, st, lo, hi):
         kept_from, kept_to = lo.max(), hi.min()  # keys every query keeps: nothing to mask there
@@ -263,6 +273,34 @@ def _numba_kernels():
                     dpt[j, i] = p * (dpt[j, i] * z[j, i] - delta[i])
 
     @jit
+    def philox_keep(z, key0, key1, offset, bh, i0, j0, threshold, scale):
+        n, cols = z.shape
+        m0, m1 = np.uint64(rng.PHILOX_M0), np.uint64(rng.PHILOX_M1)
+        w0, w1 = np.uint64(rng.PHILOX_W0), np.uint64(rng.PHILOX_W1)
+        low, shift, zero = np.uint64(0xFFFFFFFF), np.uint64(32), z.dtype.type(0)
+        for group in range(j0 >> 2, ((j0 + n - 1) >> 2) + 1):  # one Philox call: keys 4 group .. 4 group + 3
+            first = 4 * group - j0
+            for i in range(cols):
+                c0, c1, c2, c3 = np.uint64(group), np.uint64(i0 + i), np.uint64(bh), np.uint64(offset)
+                k0, k1 = np.uint64(key0), np.uint64(key1)
+                for _ in range(rng.PHILOX_ROUNDS):
+                    p0, p1 = m0 * c0, m1 * c2
+                    c0, c1, c2, c3 = (p1 >> shift) ^ c1 ^ k0, p1 & low, (p0 >> shift) ^ c3 ^ k1, p0 & low
+                    k0, k1 = (k0 + w0) & low, (k1 + w1) & low
+                if 0 <= first < n:
+                    z[first, i] = scale if c0 >= threshold else zero
+                if 0 <= first + 1 < n:
+                    z[first + 1, i] = scale if c1 >= threshold else zero
+                if 0 <= first + 2 < n:
+                    z[first + 2, i] = scale if c2 >= threshold else zero
+                if 0 <= first + 3 < n:
+                    z[first + 3, i] = scale if c3 >= threshold else zero
+
+    def dropout_scale(z, seed, offset, bh, i0, j0, p):
+        philox_keep(z, seed & 0xFFFFFFFF, seed >> 32, offset, bh, i0, j0, rng.dropout_threshold(p),
+                    z.dtype.type(1 / (1 - p)))
+
+    @jit
     def mask_outside(st, lo, hi):
         n, cols = st.shape
         kept_from, kept_to = lo.max(), hi.min()  # keys every query keeps: nothing to mask there
@@ -295,7 +333,8 @@ def _numba_kernels():
                 lse[i] = -np.inf
 
     return SimpleNamespace(name="numba", forward_tile=forward_tile, backward_tile=backward_tile,
-                           mask_outside=mask_outside, rescale_add=rescale_add, finish=finish)
+                           dropout_scale=dropout_scale, mask_outside=mask_outside, rescale_add=rescale_add,
+                           finish=finish)
 
 
 _NUMPY = NumpyKernels()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashcupy import cpu_kernels
+from flashcupy import cpu_kernels, rng
 
 NUMBA = cpu_kernels.numba_kernels()
 NUMPY = cpu_kernels.NumpyKernels()
@@ -151,3 +151,21 @@ def test_finish_agrees_and_zeroes_masked_rows(dtype):
     assert np.all(out1[1] == 0) and lse1[1] == -np.inf and np.all(np.isnan(out1[3])) and np.isnan(lse1[3])
     np.testing.assert_allclose(out1, out0, rtol=1e-6)
     np.testing.assert_allclose(lse1, lse0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "seed, offset, bh, i0, j0, n, cols, p",
+    [
+        (0, 0, 0, 0, 0, 16, 8, 0.5),
+        (2**63 + 5, 2**32 - 1, 77, 13, 5, 37, 19, 0.17),  # a key not at a multiple of 4, both seed words
+        (2**64 - 1, 7, 2**31 - 1, 10**6, 1021, 1, 3, 0.9),
+        (12345, 3, 4, 2, 2, 2, 1, 0.999),
+    ],
+)
+def test_dropout_bits_are_rng_s(dtype, seed, offset, bh, i0, j0, n, cols, p):
+    """The compiled Philox gives flashcupy.rng's keep mask bit for bit, scaled by 1 / (1 - p)."""
+    z = np.empty((n, cols), dtype)
+    NUMBA.dropout_scale(z, seed, offset, bh, i0, j0, p)
+    keep = rng.dropout_keep(seed, offset, bh, np.arange(i0, i0 + cols)[:, None], np.arange(j0, j0 + n)[None, :], p)
+    assert np.array_equal(z, np.where(keep.T, dtype(1 / (1 - p)), 0).astype(dtype))
