@@ -42,8 +42,10 @@ the process's peak resident memory, imports included.
 
 The JSON (``--out``, default bench/results/cpu-<yyyy-mm-dd>.json) has the
 top-level fields of the GPU suites (gpu is null here), the machine (CPU model,
-cores, flags, caches, BLAS, load average before and after) and rows with
-system, dtype, B, H, L, D, causal, mode, threads, ms, peak_mib and more.
+family and model numbers, cores, vector flags, caches, BLAS, load average
+before and after) and rows with
+suite ("cpu"), system, dtype, B, H, L, D, causal, mode, threads, ms, peak_mib
+and more.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ SHAPES = (
     ("float64", 4096, 64, False),
 )
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+#: A row's identity: design.md section 5's cpu suite fields besides ms and peak_mib.
+ROW_KEYS = ("system", "dtype", "B", "H", "L", "D", "causal", "mode", "threads")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -211,7 +215,7 @@ def measure(spec: dict) -> dict:
     B, H, threads, backward = spec["B"], spec["H"], spec["threads"], spec["mode"] == "fwd+bwd"
     rs = np.random.default_rng(0)
     q, k, v, dout = (rs.standard_normal((B, H, L, D)).astype(dtype) for _ in range(4))
-    row = {key: spec[key] for key in ("system", "dtype", "B", "H", "L", "D", "causal", "mode", "threads")}
+    row = {"suite": "cpu"} | {key: spec[key] for key in ROW_KEYS}
     row["cores"] = sorted(os.sched_getaffinity(0))
     try:
         call, to_numpy, details = _system(spec["system"], q, k, v, dout, causal, backward, threads)
@@ -260,8 +264,7 @@ def run_worker(spec: dict) -> dict:
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {key: spec[key] for key in ("system", "dtype", "B", "H", "L", "D", "causal", "mode", "threads")} | {
-            "failure": f"exit {proc.returncode}: {tail}"}
+        return {"suite": "cpu"} | {key: spec[key] for key in ROW_KEYS} | {"failure": f"exit {proc.returncode}: {tail}"}
     return json.loads(lines[-1])
 
 
@@ -290,14 +293,19 @@ def _cpu_flags() -> list[str]:
     return []
 
 
-def _caches() -> dict[str, str]:
-    """Cache sizes as lscpu reports them."""
+LSCPU_FIELDS = ("Vendor ID", "CPU family", "Model", "Stepping", "Thread(s) per core", "Core(s) per socket",
+                "Socket(s)", "Hypervisor vendor", "L1d cache", "L2 cache", "L3 cache")
+
+
+def _lscpu() -> dict[str, str]:
+    """What lscpu says of the processor (family and model tell the microarchitecture where a VM
+    hides the model name) and its caches."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     except OSError:
         return {}
-    return {line.split(":")[0].strip(): line.split(":", 1)[1].strip()
-            for line in out.splitlines() if line.split(":")[0].strip() in ("L1d cache", "L2 cache", "L3 cache")}
+    fields = (line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return {name.strip(): value.strip() for name, value in fields if name.strip() in LSCPU_FIELDS}
 
 
 def _blas() -> list[dict]:
@@ -332,7 +340,7 @@ def machine(cores: list[int]) -> dict:
         "cores_available": len(cores),
         "cpu_count": os.cpu_count(),
         "flags": _cpu_flags(),
-        "caches": _caches(),
+        "lscpu": _lscpu(),
         "blas": _blas(),
         "python": platform.python_version(),
         "numpy": _version("numpy"),
