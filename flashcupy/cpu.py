@@ -203,12 +203,13 @@ class _Scratch:
         self.dtype = dtype
         self.buffers: dict[str, np.ndarray] = {}
 
-    def get(self, name: str, *shape: int) -> np.ndarray:
-        """A C-contiguous array of ``shape`` (contents undefined) backed by buffer ``name``."""
+    def get(self, name: str, *shape: int, dtype: Any = None) -> np.ndarray:
+        """A C-contiguous array of ``shape`` (contents undefined) backed by buffer ``name``,
+        of the accumulator dtype unless ``dtype`` is given."""
         size = math.prod(shape)
         buf = self.buffers.get(name)
         if buf is None or buf.size < size:
-            buf = self.buffers[name] = np.empty(size, self.dtype)
+            buf = self.buffers[name] = np.empty(size, self.dtype if dtype is None else dtype)
         return buf[:size].reshape(shape)
 
 
@@ -258,18 +259,25 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
         m[...] = -np.inf
         l = scratch.get("l", rows)  # running row sum of 2^(S - m)
         l[...] = 0
-        alpha, vector = scratch.get("alpha", rows), scratch.get("vector", rows)
+        alpha, vectors = scratch.get("alpha", rows), scratch.get("vectors", 3, rows)
+        damaged = scratch.get("damaged", rows, dtype=np.int64)
         o = scratch.get("o", rows, pb.head_dim_v)  # (rows, Dv), unnormalised
         o[...] = 0
         pv = scratch.get("pv", rows, pb.head_dim_v)
         for j0, j1, ranges, keep in _key_tiles(pb, seg, i0, i1, block_n):
             st = scratch.get("s", j1 - j0, rows)
-            for exact in (False, True):  # exact only when the lazy shift asks to recompute
-                np.matmul(ks[j0:j1], q.T, out=st)  # S^T = scale log2(e) K Q^T
-                _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
-                if kernels.forward_tile(st, m, l, alpha, vector, exact):  # P^T = 2^(S^T - m), before dropout
-                    break
-            if pb.dropout_p > 0:
+            np.matmul(ks[j0:j1], q.T, out=st)  # S^T = scale log2(e) K Q^T
+            _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
+            count = kernels.forward_tile(st, m, l, alpha, vectors, damaged, False)  # P^T = 2^(S^T - m)
+            for c in damaged[:count]:  # a query whose scores leapt past its shift: alone, exactly
+                column = scratch.get("column", j1 - j0, 1)
+                np.matmul(ks[j0:j1], q[c : c + 1].T, out=column)
+                _scores(pb, seg, column, i0 + c, j0, ranges and (ranges[0][c : c + 1], ranges[1][c : c + 1]),
+                        None if keep is None else keep[c : c + 1], kernels)
+                kernels.forward_tile(column, m[c : c + 1], l[c : c + 1], alpha[c : c + 1],
+                                     scratch.get("column vectors", 3, 1), damaged[count:], True)
+                st[:, c] = column[:, 0]
+            if pb.dropout_p > 0:  # after l: lse is taken before dropout
                 z = scratch.get("z", j1 - j0, rows)
                 kernels.dropout_scale(z, pb.seed, pb.dropout_offset, seg.bh, i0, j0, pb.dropout_p)
                 st *= z

