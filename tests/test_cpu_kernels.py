@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import flashcupy as fc
 from flashcupy import cpu_kernels, rng
+from support import cpu_tiles
 
 NUMBA = cpu_kernels.numba_kernels()
 NUMPY = cpu_kernels.NumpyKernels()
@@ -174,3 +176,25 @@ def test_dropout_bits_are_rng_s(dtype, seed, offset, bh, i0, j0, n, cols, p):
     NUMBA.dropout_scale(z, seed, offset, bh, i0, j0, p)
     keep = rng.dropout_keep(seed, offset, bh, np.arange(i0, i0 + cols)[:, None], np.arange(j0, j0 + n)[None, :], p)
     assert np.array_equal(z, np.where(keep.T, dtype(1 / (1 - p)), 0).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_leaping_query_is_recomputed_alone(dtype):
+    """Through the backend: a query whose score leaps by 2^60+ in a later tile matches the
+    reference, and every other query is bitwise what it is without the leap."""
+    import flashcupy as fc
+    from support import cpu_tiles
+
+    rs = np.random.default_rng(8)
+    q, k, v = (rs.standard_normal((40, 16)).astype(dtype) for _ in range(3))
+    bias = np.zeros((40, 40), dtype)
+    leap = bias.copy()
+    leap[3, 25] = 150.0  # 216 in base 2: past the shift query 3 took from its first tile
+    with cpu_tiles((8, 8)):
+        plain = fc.flash_attention(q, k, v, bias=bias, backend="cpu")
+        out, lse = fc.flash_attention(q, k, v, bias=leap, return_lse=True, backend="cpu")
+    ref_out, ref_lse = fc.attention_reference(q, k, v, bias=leap, return_lse=True)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+    others = np.arange(40) != 3
+    assert np.array_equal(out[others], plain[others])
