@@ -155,7 +155,7 @@ def _system(name: str, q, k, v, dout, causal: bool, backward: bool, threads: int
 
         fc.set_cpu_threads(threads)
         details = {"kernels": cpu_kernels.kernels().name,
-                   "threadpoolctl": cpu_parallel._threadpool_controller() is not None}
+                   "threadpoolctl": cpu_parallel._blas_libraries() is not None}
         if backward:
             def call():
                 out, vjp = fc.flash_attention_vjp(q, k, v, causal=causal, backend="cpu")

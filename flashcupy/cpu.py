@@ -58,15 +58,20 @@ def tile_sizes(pb: Problem) -> tuple[int, int]:
     return block_m, (1 << 20) // (block_m * accumulator_dtype(pb.dtype).itemsize)
 
 
+#: The machine's cores (not those this process may use, nor the thread count): backward_splits
+#: depends on it so that results never depend on thread settings.
+MACHINE_CORES = os.cpu_count() or 1
+
+
 def backward_splits(pb: Problem, groups: int) -> int:
     """Key ranges per (batch, kv head) group in the backward.
 
     Enough that every core of the machine has a task when there are few groups
-    (a single head, MQA), at most 8; it depends on the problem and the machine,
-    never on the thread count, so results do not either. Each extra range costs
-    a dQ-sized buffer for its group.
+    (a single head, MQA), at most 8; it depends on the problem and the machine
+    (MACHINE_CORES), never on the thread count, so results do not either. Each
+    extra range costs a dQ-sized buffer for its group.
     """
-    cores = os.cpu_count() or 1
+    cores = MACHINE_CORES
     if groups >= cores:
         return 1
     _, block_n = tile_sizes(pb)
@@ -215,6 +220,8 @@ class _Scratch:
 
 def _by_cost(tasks: list, costs: list[float]) -> list:
     """Tasks with the longest first (ties in their given order), so threads finish together."""
+    if len(tasks) < 2:
+        return tasks
     order = sorted(range(len(tasks)), key=lambda t: -costs[t])
     return [tasks[t] for t in order]
 
@@ -425,8 +432,11 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
                 dq_seg[i0:i1] += dq_rows
 
     tasks = _backward_tasks(pb, units, bias_grad)
-    costs = [sum(_attended(pb, seg, i0, min(i0 + block_m, seg.q_len), (u.start, u.stop))
-                 for u in task for seg in u.segments for i0 in range(0, seg.q_len, block_m)) for task in tasks]
+    costs = [] if len(tasks) < 2 else [
+        sum(_attended(pb, seg, i0, min(i0 + block_m, seg.q_len), (u.start, u.stop))
+            for u in task for seg in u.segments for i0 in range(0, seg.q_len, block_m))
+        for task in tasks
+    ]
 
     def run(task: list[_Unit], scratch: _Scratch) -> None:
         for u in task:

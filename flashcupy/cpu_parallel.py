@@ -110,42 +110,46 @@ def cpu_threads(threads: int | None) -> Iterator[None]:
 # --------------------------------------------------------------------------- BLAS threads
 
 _blas_lock = threading.Lock()
-_blas_state: dict = {"users": 0, "limiter": None, "controller": None}
+_blas_state: dict = {"users": 0, "restore": None, "libraries": None}
 
 
-def _threadpool_controller():
-    """threadpoolctl's controller over the BLAS libraries loaded now; None without threadpoolctl."""
-    if _blas_state["controller"] is None:
+def _blas_libraries() -> list | None:
+    """threadpoolctl's controllers of the BLAS libraries loaded now (found once); None without
+    threadpoolctl."""
+    if _blas_state["libraries"] is None:
         try:
             import threadpoolctl
         except ImportError:
             return None
-        _blas_state["controller"] = threadpoolctl.ThreadpoolController()
-    return _blas_state["controller"]
+        _blas_state["libraries"] = threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
+    return _blas_state["libraries"]
 
 
 @contextlib.contextmanager
 def _single_threaded_blas() -> Iterator[bool]:
     """BLAS held at one thread while any caller is inside; yields False when it cannot be
-    (no threadpoolctl). The first caller in sets the limit and the last one out restores it."""
+    (no threadpoolctl). The first caller in sets the limit and the last one out restores
+    each library's own count."""
     with _blas_lock:
-        controller = _threadpool_controller()
-        if controller is None:
-            limited = False
-        else:
+        libraries = _blas_libraries()
+        if libraries is not None:
             if _blas_state["users"] == 0:
-                _blas_state["limiter"] = controller.limit(limits=1, user_api="blas")
+                _blas_state["restore"] = [(lib, lib.num_threads) for lib in libraries]
+                for lib, threads in _blas_state["restore"]:
+                    if threads != 1:
+                        lib.set_num_threads(1)
             _blas_state["users"] += 1
-            limited = True
     try:
-        yield limited
+        yield libraries is not None
     finally:
-        if limited:
+        if libraries is not None:
             with _blas_lock:
                 _blas_state["users"] -= 1
                 if _blas_state["users"] == 0:
-                    _blas_state["limiter"].restore_original_limits()
-                    _blas_state["limiter"] = None
+                    for lib, threads in _blas_state["restore"]:
+                        if threads != 1:
+                            lib.set_num_threads(threads)
+                    _blas_state["restore"] = None
 
 
 # --------------------------------------------------------------------------- the pool
@@ -169,7 +173,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 def _forget_pool() -> None:
     """After fork: the parent's worker threads do not exist in the child."""
     _pool_state.update(pool=None, size=0)
-    _blas_state.update(users=0, limiter=None)
+    _blas_state.update(users=0, restore=None)
 
 
 if hasattr(os, "register_at_fork"):

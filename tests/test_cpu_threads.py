@@ -92,12 +92,12 @@ def test_backward_with_key_ranges_matches_reference(jit, splits, case):
 def test_backward_splits_depend_on_the_machine_not_the_thread_count():
     x = np.zeros((1, 4096, 8), np.float32)
     pb = fc.problem.make_host_problem(x, x, x, {})
-    with mock.patch("os.cpu_count", return_value=64):
+    with mock.patch.object(cpu, "MACHINE_CORES", 64):
         many = cpu.backward_splits(pb, 1)
         with fc.cpu_threads(1):
             assert cpu.backward_splits(pb, 1) == many
     assert 1 < many <= 8
-    with mock.patch("os.cpu_count", return_value=4):
+    with mock.patch.object(cpu, "MACHINE_CORES", 4):
         assert cpu.backward_splits(pb, 4) == 1
 
 
