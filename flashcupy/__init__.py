@@ -8,6 +8,7 @@ from .api import (
     flash_attention_varlen,
     flash_attention_vjp,
 )
+from .cpu_parallel import cpu_threads, get_cpu_threads, set_cpu_threads
 from .explain import explain
 from .precompile import precompile
 from .reference import attention_reference
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention_reference",
+    "cpu_threads",
     "dropout_mask",
     "explain",
     "flash_attention",
@@ -23,5 +25,7 @@ __all__ = [
     "flash_attention_forward",
     "flash_attention_varlen",
     "flash_attention_vjp",
+    "get_cpu_threads",
     "precompile",
+    "set_cpu_threads",
 ]

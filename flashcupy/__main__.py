@@ -566,16 +566,17 @@ def precompile_command(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- bench
 
 BENCH_SCRIPT = Path("bench") / "bench_attention.py"
+CPU_BENCH_SCRIPT = Path("bench") / "bench_cpu.py"  # the cpu suite: bench ... --suite cpu
 
 
-def find_bench_script(roots: Sequence[Path] | None = None) -> Path | None:
-    """bench/bench_attention.py of a source checkout: beside the imported flashcupy package
-    (its parent directory is the checkout's root), else under the current directory.
+def find_bench_script(roots: Sequence[Path] | None = None, relative: Path = BENCH_SCRIPT) -> Path | None:
+    """bench/bench_attention.py (or ``relative``) of a source checkout: beside the imported flashcupy
+    package (its parent directory is the checkout's root), else under the current directory.
     None when neither has it (an installed wheel has no bench/)."""
     if roots is None:
         roots = [Path(flashcupy.__file__).resolve().parent.parent, Path.cwd()]
     for root in roots:
-        script = Path(root) / BENCH_SCRIPT
+        script = Path(root) / relative
         if script.is_file():
             return script
     return None
@@ -592,8 +593,11 @@ To run the benchmarks, clone the flashcupy repository and, from its root:
 
 
 def bench(argv: Sequence[str], script: Path | None = None) -> int:
-    """Run the benchmark script with ``argv``; its exit status, or 2 when it is missing."""
-    script = script or find_bench_script()
+    """Run the benchmark script with ``argv`` (bench_cpu.py for ``--suite cpu``); its exit status,
+    or 2 when it is missing."""
+    cpu_suite = "--suite=cpu" in argv or any(a == "--suite" and b == "cpu" for a, b in zip(argv, argv[1:]))
+    if script is None:
+        script = find_bench_script(relative=CPU_BENCH_SCRIPT) if cpu_suite else find_bench_script()
     if script is None:
         print(BENCH_MISSING.format(location=Path(flashcupy.__file__).resolve().parent, cwd=Path.cwd()),
               file=sys.stderr)

@@ -1,13 +1,27 @@
-"""Tiled NumPy backend: FlashAttention's algorithm on the CPU.
+"""Tiled CPU backend: FlashAttention's algorithm in NumPy and BLAS, on every core.
 
-Per (batch..., query head) segment, the query rows are cut into tiles of
-``BLOCK_M`` rows and the keys into tiles of ``BLOCK_N``. The forward keeps a
-running row maximum ``m``, a running sum ``l`` and an unnormalised accumulator,
-rescaling them as each key tile arrives (online softmax), and normalises once
-at the end. The backward recomputes each probability tile from the saved
-log-sum-exp. Nothing larger than a (BLOCK_M, BLOCK_N) tile is ever allocated
-for scores, so extra memory is O(L) per head, and key tiles that causal, window,
-block or boolean masks rule out entirely are never computed.
+Tiles. Per (batch..., query head) segment, query rows are cut into blocks of
+``BLOCK_M`` and keys into tiles of ``BLOCK_N`` (:func:`tile_sizes`). Scores are
+computed transposed, S^T = K_j Q_i^T of shape (keys, queries): that product
+runs near BLAS's peak even for small head dims, and every per-query statistic
+is a vector along the tile's fast axis (see cpu_kernels). Scores are held in
+base 2 (log2(e) folded into the scale, as FlashAttention does) so that
+probabilities are exp2 of a difference. The forward keeps a running shift ``m``
+(the row maximum, updated lazily), a running sum ``l`` and an unnormalised
+accumulator, rescaling them as each key tile arrives (online softmax), and
+normalises once at the end; the backward recomputes each probability tile from
+the saved log-sum-exp. Nothing larger than a tile is allocated for scores, so extra
+memory is O(L) per thread, and key tiles that causal, window, block or boolean
+masks rule out entirely are never computed; causal and window bounds inside a
+tile are applied per query as key ranges.
+
+Work. The forward's tasks are (segment, query block) pairs; the backward's are
+(batch, kv head) groups, each owning dK and dV of its keys and dQ of its query
+heads, so no two tasks write the same element. When there are fewer groups
+than cores, each group's keys are cut into ranges whose dQ contributions are
+summed afterwards in range order (:func:`backward_splits`). cpu_parallel runs
+the tasks on ``flashcupy.get_cpu_threads()`` threads; every task has a fixed
+order of operations, so results are bitwise the same for every thread count.
 
 Accumulation is float32 for float16, bfloat16 and float32 inputs, float64 for
 float64 inputs.
@@ -15,24 +29,53 @@ float64 inputs.
 
 from __future__ import annotations
 
-from typing import Iterator
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
 
-from . import rng
+from . import cpu_kernels, cpu_parallel
+from .cpu_kernels import LOG2E
 from .problem import Problem, Segment, accumulator_dtype, lse_dtype
 
-Tile = tuple[int, int, "np.ndarray | None"]  # (j0, j1, keep): keep None means every score is kept
+#: A key tile (j0, j1, ranges, keep): ``ranges`` None or per-query key bounds (lo, hi) relative
+#: to j0; ``keep`` None or a (rows, keys) bool array; None means every score is kept.
+Tile = tuple[int, int, "tuple[np.ndarray, np.ndarray] | None", "np.ndarray | None"]
 
 
 def tile_sizes(pb: Problem) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): query rows and keys per tile; the only place they are chosen.
 
-    A (256, 1024) float32 score tile is 1 MiB: large enough that NumPy's per-call
-    overhead is amortised over a BLAS-sized product, small enough that the
-    handful of tile temporaries stays a few MiB whatever the sequence length.
+    A (BLOCK_N, BLOCK_M) score tile of 1 MiB measured fastest (of 128 KiB to 4 MiB,
+    on an AVX-512 server core with 1 MiB of L2): large enough for BLAS to run near
+    its peak and for the per-tile Python work to be a few percent, small enough to
+    stay in cache between the two products and the elementwise passes. Wider head
+    dims take more query rows per tile, which suits the K Q^T product.
     """
-    return 256, 1024
+    block_m = 256 if pb.head_dim <= 64 else 512
+    return block_m, (1 << 20) // (block_m * accumulator_dtype(pb.dtype).itemsize)
+
+
+#: The machine's cores (not those this process may use, nor the thread count): backward_splits
+#: depends on it so that results never depend on thread settings.
+MACHINE_CORES = os.cpu_count() or 1
+
+
+def backward_splits(pb: Problem, groups: int) -> int:
+    """Key ranges per (batch, kv head) group in the backward.
+
+    Enough that every core of the machine has a task when there are few groups
+    (a single head, MQA), at most 8; it depends on the problem and the machine
+    (MACHINE_CORES), never on the thread count, so results do not either. Each
+    extra range costs a dQ-sized buffer for its group.
+    """
+    cores = MACHINE_CORES
+    if groups >= cores:
+        return 1
+    _, block_n = tile_sizes(pb)
+    return max(1, min(8, -(-2 * cores // groups), -(-pb.seqlen_k // block_n)))
 
 
 def _key_range(pb: Problem, seg: Segment, i0: int, i1: int) -> tuple[int, int]:
@@ -50,130 +93,233 @@ def _key_range(pb: Problem, seg: Segment, i0: int, i1: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _tile_keep(pb: Problem, seg: Segment, i0: int, i1: int, j0: int, j1: int):
-    """Which scores of tile [i0, i1) x [j0, j1) survive the masks.
-
-    Returns None when all do (interior tiles pay nothing), False when none do
-    (the tile is skipped), else a (i1 - i0, j1 - j0) bool array.
-    """
-    keep = None
-    rows = np.arange(i0, i1)[:, None]
-    cols = np.arange(j0, j1)[None, :]
-
-    def both(cond):
-        return cond if keep is None else keep & cond
-
+def _tile_ranges(pb: Problem, seg: Segment, i0: int, i1: int, j0: int, j1: int):
+    """Per-row key bounds (lo, hi) relative to j0 under causal and window, or None when
+    they keep the whole tile [i0, i1) x [j0, j1)."""
     diag = seg.diagonal
+    rows = None
+    lo = hi = None
     if pb.causal is not None:
         c = 0 if pb.causal == "top_left" else diag
         if j1 - 1 > i0 + c:  # some (row, col) pair lies above the diagonal
-            keep = both(cols <= rows + c)
+            rows = np.arange(i0 - j0, i1 - j0)
+            hi = rows + (c + 1)
     if pb.window is not None:
         left, right = pb.window
         if left is not None and j0 < i1 - 1 + diag - left:
-            keep = both(cols >= rows + diag - left)
+            rows = np.arange(i0 - j0, i1 - j0) if rows is None else rows
+            lo = rows + (diag - left)
         if right is not None and j1 - 1 > i0 + diag + right:
-            keep = both(cols <= rows + diag + right)
+            rows = np.arange(i0 - j0, i1 - j0) if rows is None else rows
+            bound = rows + (diag + right + 1)
+            hi = bound if hi is None else np.minimum(hi, bound)
+    if rows is None:
+        return None
+    lo = np.zeros(i1 - i0, np.int64) if lo is None else np.clip(lo, 0, j1 - j0)
+    hi = np.full(i1 - i0, j1 - j0, np.int64) if hi is None else np.clip(hi, 0, j1 - j0)
+    return lo, hi
+
+
+def _tile_masks(pb: Problem, seg: Segment, i0: int, i1: int, j0: int, j1: int):
+    """(ranges, keep) for tile [i0, i1) x [j0, j1), or False when no score survives.
+
+    ``ranges`` are causal and window bounds (see :func:`_tile_ranges`); ``keep`` the
+    boolean and block masks as a (rows, keys) bool array, with the ranges folded in
+    when both are present. None for either means nothing to mask.
+    """
+    ranges = _tile_ranges(pb, seg, i0, i1, j0, j1)
+    if pb.block_mask is None and pb.mask is None:
+        if ranges is not None and not np.any(ranges[1] > ranges[0]):
+            return False
+        return ranges, None
+    keep = None
+    rows = np.arange(i0, i1)[:, None]
+    cols = np.arange(j0, j1)[None, :]
     if pb.block_mask is not None:
         bs = pb.block_size
         blocks = np.asarray(pb.block_mask[seg.head][i0 // bs : (i1 - 1) // bs + 1, j0 // bs : (j1 - 1) // bs + 1])
         if not blocks.any():
             return False
         if not blocks.all():
-            keep = both(blocks[(rows // bs - i0 // bs), (cols // bs - j0 // bs)])
+            keep = blocks[(rows // bs - i0 // bs), (cols // bs - j0 // bs)]
     if pb.mask is not None:
-        keep = both(np.asarray(pb.mask[seg.head][i0:i1, j0:j1]))
+        tile = np.asarray(pb.mask[seg.head][i0:i1, j0:j1])
+        keep = tile if keep is None else keep & tile
+    if keep is not None and ranges is not None:
+        lo, hi = ranges
+        keep = keep & (cols - j0 >= lo[:, None]) & (cols - j0 < hi[:, None])
+        ranges = None
     if keep is not None and not keep.any():
         return False
-    return keep
+    return ranges, keep
 
 
-def _key_tiles(pb: Problem, seg: Segment, i0: int, i1: int, block_n: int) -> Iterator[Tile]:
-    """The key tiles query rows [i0, i1) attend, with their keep masks; ruled-out tiles skipped."""
+def _key_tiles(pb: Problem, seg: Segment, i0: int, i1: int, block_n: int,
+               keys: tuple[int, int] | None = None) -> Iterator[Tile]:
+    """The key tiles query rows [i0, i1) attend (inside ``keys`` = [start, stop) when
+    given), with their masks; ruled-out tiles skipped."""
     lo, hi = _key_range(pb, seg, i0, i1)
+    if keys is not None:
+        lo, hi = max(lo, keys[0]), min(hi, keys[1])
+    unmasked = pb.causal is None and pb.window is None and pb.mask is None and pb.block_mask is None
     for j0 in range(lo, hi, block_n):
         j1 = min(j0 + block_n, hi)
-        keep = _tile_keep(pb, seg, i0, i1, j0, j1)
-        if keep is not False:
-            yield j0, j1, keep
+        masks = (None, None) if unmasked else _tile_masks(pb, seg, i0, i1, j0, j1)
+        if masks is not False:
+            yield (j0, j1) + masks
 
 
-def _scores(pb: Problem, seg: Segment, qt: np.ndarray, kt: np.ndarray, i0: int, j0: int, keep):
-    """S for one tile, (rows, keys), and tanh(S_raw / softcap) (None without softcap).
+def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges, keep, kernels):
+    """Turn S^T log2(e) = scale log2(e) K Q^T (keys, rows) into the final scores (base 2)
+    in place; returns tanh(S_raw / softcap) transposed (None without softcap).
 
-    ``qt`` is already multiplied by the scale. Masked scores become -inf, which
-    exp turns into an exact 0 probability.
+    Masked scores become -inf, which exp2 turns into an exact 0 probability.
     """
-    s = qt @ kt.T  # S = scale * Q K^T
+    cols, rows = st.shape
     tanh = None
     if pb.softcap is not None:
-        tanh = np.tanh(s / pb.softcap)
-        s = pb.softcap * tanh  # S = softcap * tanh(S / softcap)
-    rows, cols = s.shape
+        softcap = pb.softcap * LOG2E
+        tanh = np.tanh(st / softcap)
+        np.multiply(tanh, softcap, out=st)  # S = softcap * tanh(S / softcap)
     if pb.bias is not None:
-        s += pb.bias[seg.head][i0 : i0 + rows, j0 : j0 + cols]
+        st += np.multiply(pb.bias[seg.head][i0 : i0 + rows, j0 : j0 + cols].T, LOG2E, dtype=st.dtype)
     if pb.alibi_slopes is not None:
-        dist = np.abs(np.arange(i0, i0 + rows)[:, None] + seg.diagonal - np.arange(j0, j0 + cols)[None, :])
-        s -= (pb.alibi_slopes[seg.head] * dist).astype(s.dtype)  # S -= slope * |i + Lk - Lq - j|
+        dist = np.abs(np.arange(i0, i0 + rows)[None, :] + seg.diagonal - np.arange(j0, j0 + cols)[:, None])
+        st -= (pb.alibi_slopes[seg.head] * LOG2E * dist).astype(st.dtype)  # S -= slope * |i + Lk - Lq - j|
+    if ranges is not None:
+        kernels.mask_outside(st, *ranges)
     if keep is not None:
-        np.copyto(s, -np.inf, where=~keep)
-    return s, tanh
+        np.copyto(st, -np.inf, where=~keep.T)
+    return tanh
 
 
-def _dropout_scale(pb: Problem, seg: Segment, i0: int, i1: int, j0: int, j1: int, dtype) -> np.ndarray:
-    """keep / (1 - dropout_p) for one tile, from the same Philox bits as every backend."""
-    keep = rng.dropout_keep(
-        pb.seed, pb.dropout_offset, seg.bh,
-        np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :], pb.dropout_p,
-    )
-    return keep.astype(dtype) * dtype.type(1.0 / (1.0 - pb.dropout_p))
+def _as_operand(x: Any, acc: np.dtype) -> np.ndarray:
+    """``x`` in the accumulator dtype with a contiguous last axis (what BLAS reads
+    without a copy): x itself when it already is, else one converted copy."""
+    if x.dtype == acc and (x.strides[-1] == x.itemsize or x.shape[-1] <= 1):
+        return x
+    return np.ascontiguousarray(x, dtype=acc)
 
 
-def _segment_inputs(pb: Problem, seg: Segment, acc):
-    """The segment's valid q rows (times the scale), k and v keys, in the accumulator dtype."""
-    q = np.asarray(pb.q[seg.q_index][: seg.q_len], dtype=acc) * acc.type(pb.scale)
-    k = np.ascontiguousarray(pb.k[seg.k_index][: seg.kv_len], dtype=acc)
-    v = np.ascontiguousarray(pb.v[seg.k_index][: seg.kv_len], dtype=acc)
-    return q, k, v
+class _Scratch:
+    """One thread's reusable buffers: score tiles and small blocks, grown on demand."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = dtype
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, *shape: int, dtype: Any = None) -> np.ndarray:
+        """A C-contiguous array of ``shape`` (contents undefined) backed by buffer ``name``,
+        of the accumulator dtype unless ``dtype`` is given."""
+        size = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.size < size:
+            buf = self.buffers[name] = np.empty(size, self.dtype if dtype is None else dtype)
+        return buf[:size].reshape(shape)
 
 
+def _by_cost(tasks: list, costs: list[float]) -> list:
+    """Tasks with the longest first (ties in their given order), so threads finish together."""
+    if len(tasks) < 2:
+        return tasks
+    order = sorted(range(len(tasks)), key=lambda t: -costs[t])
+    return [tasks[t] for t in order]
+
+
+def _attended(pb: Problem, seg: Segment, i0: int, i1: int, keys: tuple[int, int] | None = None) -> int:
+    """Rows times keys in the key range of rows [i0, i1): a task's cost estimate."""
+    lo, hi = _key_range(pb, seg, i0, i1)
+    if keys is not None:
+        lo, hi = max(lo, keys[0]), min(hi, keys[1])
+    return (i1 - i0) * max(0, hi - lo)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@np.errstate(all="ignore")  # Inf/NaN inputs flow through to the results without RuntimeWarnings
 def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) in the problem's internal layout: out (..., Hq, Lq, Dv) of q's dtype, lse float32/64."""
     acc = accumulator_dtype(pb.dtype)
     out = np.empty(pb.out_shape, dtype=pb.dtype)
     lse = np.empty(pb.lse_shape, dtype=lse_dtype(pb.dtype))
     block_m, block_n = tile_sizes(pb)
+    kernels = cpu_kernels.kernels()
+    k, v = _as_operand(pb.k, acc), _as_operand(pb.v, acc)
+    scale2 = acc.type(pb.scale * LOG2E)
+    tasks, costs = [], []
     for seg in pb.segments():
-        o, lse_seg = out[seg.q_index], lse[seg.lse_index]
-        o[seg.q_len :] = 0  # padded rows: output 0, lse -inf
-        lse_seg[seg.q_len :] = -np.inf
-        q, k, v = _segment_inputs(pb, seg, acc)
+        out[seg.q_index][seg.q_len :] = 0  # padded rows: output 0, lse -inf
+        lse[seg.lse_index][seg.q_len :] = -np.inf
         for i0 in range(0, seg.q_len, block_m):
             i1 = min(i0 + block_m, seg.q_len)
-            m = np.full(i1 - i0, -np.inf, dtype=acc)  # running row max
-            l = np.zeros(i1 - i0, dtype=acc)  # running row sum of exp(S - m)
-            o_acc = np.zeros((i1 - i0, pb.head_dim_v), dtype=acc)  # (BLOCK_M, Dv), unnormalised
-            for j0, j1, keep in _key_tiles(pb, seg, i0, i1, block_n):
-                s, _ = _scores(pb, seg, q[i0:i1], k[j0:j1], i0, j0, keep)
-                m_new = np.maximum(m, s.max(axis=1))
-                # Rows with every score so far masked have m = -inf; subtracting 0 instead keeps
-                # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN.
-                m_safe = np.where(m_new == -np.inf, acc.type(0), m_new)
-                alpha = np.exp(m - m_safe)  # rescales the old sum and accumulator
-                s -= m_safe[:, None]
-                p = np.exp(s, out=s)  # P = exp(S - m)
-                l = l * alpha + p.sum(axis=1)  # lse is taken before dropout
-                if pb.dropout_p > 0:
-                    p *= _dropout_scale(pb, seg, i0, i1, j0, j1, acc)
-                o_acc *= alpha[:, None]
-                o_acc += p @ v[j0:j1]  # O += P V
-                m = m_new
-            live = l != 0  # l = 0 only when every score of the row was masked; NaN stays live
-            inv_l = np.where(live, 1.0 / np.where(live, l, 1), 0).astype(acc)
-            o[i0:i1] = np.where(live[:, None], o_acc * inv_l[:, None], 0).astype(pb.dtype)
-            with np.errstate(divide="ignore"):
-                lse_seg[i0:i1] = np.where(live, m + np.log(l), -np.inf)  # natural-log lse
+            tasks.append((seg, i0, i1))
+            costs.append(_attended(pb, seg, i0, i1))
+
+    def run(task: tuple[Segment, int, int], scratch: _Scratch) -> None:
+        seg, i0, i1 = task
+        rows = i1 - i0
+        q = scratch.get("q", rows, pb.head_dim)
+        np.multiply(pb.q[seg.q_index][i0:i1], scale2, out=q, dtype=acc)  # scale log2(e) Q, rounded once
+        ks, vs = k[seg.k_index], v[seg.k_index]
+        m = scratch.get("m", rows)  # running shift (base 2): the row max, lazily
+        m[...] = -np.inf
+        l = scratch.get("l", rows)  # running row sum of 2^(S - m)
+        l[...] = 0
+        alpha, vectors = scratch.get("alpha", rows), scratch.get("vectors", 3, rows)
+        damaged = scratch.get("damaged", rows, dtype=np.int64)
+        o = scratch.get("o", rows, pb.head_dim_v)  # (rows, Dv), unnormalised
+        o[...] = 0
+        pv = scratch.get("pv", rows, pb.head_dim_v)
+        for j0, j1, ranges, keep in _key_tiles(pb, seg, i0, i1, block_n):
+            st = scratch.get("s", j1 - j0, rows)
+            np.matmul(ks[j0:j1], q.T, out=st)  # S^T = scale log2(e) K Q^T
+            _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
+            count = kernels.forward_tile(st, m, l, alpha, vectors, damaged, False)  # P^T = 2^(S^T - m)
+            for c in damaged[:count]:  # a query whose scores leapt past its shift: alone, exactly
+                column = scratch.get("column", j1 - j0, 1)
+                np.matmul(ks[j0:j1], q[c : c + 1].T, out=column)
+                _scores(pb, seg, column, i0 + c, j0, ranges and (ranges[0][c : c + 1], ranges[1][c : c + 1]),
+                        None if keep is None else keep[c : c + 1], kernels)
+                kernels.forward_tile(column, m[c : c + 1], l[c : c + 1], alpha[c : c + 1],
+                                     scratch.get("column vectors", 3, 1), damaged[count:], True)
+                st[:, c] = column[:, 0]
+            if pb.dropout_p > 0:  # after l: lse is taken before dropout
+                z = scratch.get("z", j1 - j0, rows)
+                kernels.dropout_scale(z, pb.seed, pb.dropout_offset, seg.bh, i0, j0, pb.dropout_p)
+                st *= z
+            np.matmul(st.T, vs[j0:j1], out=pv)
+            kernels.rescale_add(o, alpha, pv)  # O = alpha O + P V
+        out_rows = out[seg.q_index][i0:i1]
+        kernels.finish(o, m, l, lse[seg.lse_index][i0:i1], out_rows if out.dtype == acc else o)
+        if out.dtype != acc:
+            out_rows[...] = o
+
+    cpu_parallel.run_tasks(_by_cost(tasks, costs), run, lambda: _Scratch(acc))
     return out, lse
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Backward work: the segments of one (batch, kv head) group over keys [start, stop);
+    ``part`` numbers the key range within the group (0: its dQ goes straight to dq)."""
+
+    segments: tuple[Segment, ...]
+    start: int
+    stop: int
+    part: int
+
+
+def _groups(pb: Problem) -> list[tuple[Segment, ...]]:
+    """Segments grouped by (batch, kv head), in segment order."""
+    groups: dict[tuple[int, int], list[Segment]] = {}
+    for seg in pb.segments():
+        batch, head = divmod(seg.bh, pb.num_heads_q)
+        groups.setdefault((batch, head // pb.group_size), []).append(seg)
+    return [tuple(g) for g in groups.values()]
 
 
 def _dbias_target(pb: Problem, seg: Segment) -> tuple[tuple, bool, bool]:
@@ -183,6 +329,22 @@ def _dbias_target(pb: Problem, seg: Segment) -> tuple[tuple, bool, bool]:
     return head, full[-2] == 1, full[-1] == 1
 
 
+def _backward_tasks(pb: Problem, units: list[_Unit], bias_grad: bool) -> list[list[_Unit]]:
+    """Units in tasks: one each, except that with ``bias_grad`` units adding into the
+    same dbias elements (a bias broadcast over batch or heads, or over keys) share one
+    task and run in order."""
+    if not bias_grad:
+        return [[u] for u in units]
+    tasks: dict[tuple, list[_Unit]] = {}
+    for u in units:
+        targets = [_dbias_target(pb, seg) for seg in u.segments]
+        cols_broadcast = targets[0][2]
+        key = (frozenset(t[0] for t in targets), None if cols_broadcast else u.part)
+        tasks.setdefault(key, []).append(u)
+    return list(tasks.values())
+
+
+@np.errstate(all="ignore")
 def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bias_grad: bool):
     """(dq, dk, dv, dbias) in the problem's internal layout; dbias None unless ``bias_grad``.
 
@@ -200,42 +362,98 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
         full = (1,) * (len(pb.batch) + 3 - len(pb.bias_shape)) + pb.bias_shape
         dbias = np.zeros(full, dtype=acc)
     block_m, block_n = tile_sizes(pb)
-    for seg in pb.segments():
-        q, k, v = _segment_inputs(pb, seg, acc)
-        do = np.asarray(dout[seg.q_index][: seg.q_len], dtype=acc)
-        delta = np.sum(do * np.asarray(out[seg.q_index][: seg.q_len], dtype=acc), axis=1)  # D = rowsum(dO * O)
-        lse_seg = np.asarray(lse[seg.lse_index][: seg.q_len], dtype=acc)
-        lse_safe = np.where(lse_seg == -np.inf, acc.type(0), lse_seg)  # fully masked rows: P = exp(-inf) = 0
-        dq_seg = dq[seg.q_index]
-        dk_seg, dv_seg = dk[seg.k_index], dv[seg.k_index]
-        if bias_grad:
-            head, rows_b, cols_b = _dbias_target(pb, seg)
-            db_seg = dbias[head]
-        for i0 in range(0, seg.q_len, block_m):
-            i1 = min(i0 + block_m, seg.q_len)
-            do_t = do[i0:i1]
-            for j0, j1, keep in _key_tiles(pb, seg, i0, i1, block_n):
-                s, tanh = _scores(pb, seg, q[i0:i1], k[j0:j1], i0, j0, keep)
-                s -= lse_safe[i0:i1, None]
-                p = np.exp(s, out=s)  # P = exp(S - lse)
-                dp = do_t @ v[j0:j1].T  # dP = dO V^T
-                pd = p
-                if pb.dropout_p > 0:
-                    z = _dropout_scale(pb, seg, i0, i1, j0, j1, acc)
-                    pd = p * z
-                    dp *= z
-                dv_seg[j0:j1] += pd.T @ do_t  # dV += P'^T dO
-                ds = p * (dp - delta[i0:i1, None])  # dS = P (dP - D)
-                if bias_grad:
-                    r = slice(0, 1) if rows_b else slice(i0, i1)
-                    c = slice(0, 1) if cols_b else slice(j0, j1)
-                    red = ds.sum(axis=0, keepdims=True) if rows_b else ds
-                    db_seg[r, c] += red.sum(axis=1, keepdims=True) if cols_b else red
-                if tanh is not None:
-                    ds *= 1 - tanh * tanh  # d(softcap tanh(x / softcap)) / dx = 1 - tanh^2
-                dq_seg[i0:i1] += ds @ k[j0:j1]
-                dk_seg[j0:j1] += ds.T @ q[i0:i1]  # q is pre-scaled: scale * dS^T Q
-        dq_seg *= pb.scale  # dQ = scale * dS K
+    kernels = cpu_kernels.kernels()
+    k, v = _as_operand(pb.k, acc), _as_operand(pb.v, acc)
+    scale, scale2 = acc.type(pb.scale), acc.type(pb.scale * LOG2E)
+
+    groups = _groups(pb)
+    splits = backward_splits(pb, len(groups))
+    units = []
+    for group in groups:
+        kv_len = group[0].kv_len
+        step = -(-max(kv_len, 1) // splits)
+        step = -(-step // block_n) * block_n  # key ranges of whole tiles
+        for part, start in enumerate(range(0, max(kv_len, 1), step)):
+            units.append(_Unit(group, start, min(start + step, kv_len), part))
+    dq_parts: dict[tuple[int, int], np.ndarray] = {}  # (part, segment bh) -> dQ of a later key range
+
+    def run_unit(u: _Unit, scratch: _Scratch) -> None:
+        for seg in u.segments:
+            ks, vs = k[seg.k_index], v[seg.k_index]
+            dk_seg, dv_seg = dk[seg.k_index], dv[seg.k_index]
+            if u.part == 0:
+                dq_seg = dq[seg.q_index]
+            else:
+                dq_seg = dq_parts[(u.part, seg.bh)] = np.zeros((seg.q_len, pb.head_dim), dtype=acc)
+            if bias_grad:
+                head, rows_b, cols_b = _dbias_target(pb, seg)
+                db_seg = dbias[head]
+            for i0 in range(0, seg.q_len, block_m):
+                i1 = min(i0 + block_m, seg.q_len)
+                rows = i1 - i0
+                tiles = _key_tiles(pb, seg, i0, i1, block_n, (u.start, u.stop))
+                first = next(tiles, None)
+                if first is None:
+                    continue
+                q_rows = pb.q[seg.q_index][i0:i1]
+                q2 = scratch.get("q2", rows, pb.head_dim)
+                np.multiply(q_rows, scale2, out=q2, dtype=acc)  # for S in base 2, as the forward
+                q = scratch.get("q", rows, pb.head_dim)
+                np.multiply(q_rows, scale, out=q, dtype=acc)  # for dK = scale dS^T Q
+                do = scratch.get("do", rows, pb.head_dim_v)
+                do[...] = dout[seg.q_index][i0:i1]
+                delta = np.sum(do * np.asarray(out[seg.q_index][i0:i1], dtype=acc), axis=1)  # D = rowsum(dO * O)
+                lse_rows = np.asarray(lse[seg.lse_index][i0:i1], dtype=acc) * acc.type(LOG2E)
+                lse_safe = np.where(lse_rows == -np.inf, acc.type(0), lse_rows)  # fully masked rows: P = 0
+                dq_rows = scratch.get("dq", rows, pb.head_dim)
+                dq_rows[...] = 0
+                for j0, j1, ranges, keep in _with_first(first, tiles):
+                    n = j1 - j0
+                    st = scratch.get("s", n, rows)
+                    np.matmul(ks[j0:j1], q2.T, out=st)  # S^T log2(e)
+                    tanh = _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
+                    dpt = scratch.get("dp", n, rows)
+                    np.matmul(vs[j0:j1], do.T, out=dpt)  # dP^T = V dO^T
+                    z = None
+                    if pb.dropout_p > 0:
+                        z = scratch.get("z", n, rows)
+                        kernels.dropout_scale(z, pb.seed, pb.dropout_offset, seg.bh, i0, j0, pb.dropout_p)
+                    kernels.backward_tile(st, dpt, lse_safe, delta, z)  # st = P'^T, dpt = dS^T
+                    dv_seg[j0:j1] += np.matmul(st, do, out=scratch.get("dv", n, pb.head_dim_v))  # dV += P'^T dO
+                    if bias_grad:
+                        r = slice(0, 1) if rows_b else slice(i0, i1)
+                        c = slice(0, 1) if cols_b else slice(j0, j1)
+                        red = dpt.sum(axis=1, keepdims=True) if rows_b else dpt
+                        db_seg[r, c] += (red.sum(axis=0, keepdims=True) if cols_b else red).T
+                    if tanh is not None:
+                        dpt *= 1 - tanh * tanh  # d(softcap tanh(x / softcap)) / dx = 1 - tanh^2
+                    dk_seg[j0:j1] += np.matmul(dpt, q, out=scratch.get("dk", n, pb.head_dim))  # q is pre-scaled
+                    dq_rows += np.matmul(dpt.T, ks[j0:j1], out=scratch.get("dqt", rows, pb.head_dim))
+                dq_seg[i0:i1] += dq_rows
+
+    tasks = _backward_tasks(pb, units, bias_grad)
+    costs = [] if len(tasks) < 2 else [
+        sum(_attended(pb, seg, i0, min(i0 + block_m, seg.q_len), (u.start, u.stop))
+            for u in task for seg in u.segments for i0 in range(0, seg.q_len, block_m))
+        for task in tasks
+    ]
+
+    def run(task: list[_Unit], scratch: _Scratch) -> None:
+        for u in task:
+            run_unit(u, scratch)
+
+    cpu_parallel.run_tasks(_by_cost(tasks, costs), run, lambda: _Scratch(acc))
+    for u in units:  # later key ranges' dQ, in range order
+        if u.part:
+            for seg in u.segments:
+                dq[seg.q_index][: seg.q_len] += dq_parts[(u.part, seg.bh)]
+    dq *= scale  # dQ = scale * dS K
     if dbias is not None:
         dbias = dbias.reshape(pb.bias_shape).astype(pb.bias.dtype)
-    return dq.astype(pb.dtype), dk.astype(pb.dtype), dv.astype(pb.dtype), dbias
+    return dq.astype(pb.dtype, copy=False), dk.astype(pb.dtype, copy=False), dv.astype(pb.dtype, copy=False), dbias
+
+
+def _with_first(first: Tile, rest: Iterator[Tile]) -> Iterator[Tile]:
+    """``first`` followed by the rest of its iterator."""
+    yield first
+    yield from rest

@@ -1,0 +1,358 @@
+"""The elementwise work on one score tile of the CPU backend, in two implementations.
+
+Tiles are *transposed*: ``st`` holds S^T, shape (keys, queries), C-contiguous,
+so that every per-query statistic (running shift, running sum, lse, D) is a
+vector along the fast axis and every loop here is elementwise across queries:
+it vectorises without reassociating a sum, and sums are taken in key order.
+
+Scores are in base-2 units, S * log2(e) (the caller folds log2(e) into the
+scale), so that probabilities are 2^(s - m): the range reduction of exp2 is a
+single exact subtraction.
+
+- the compiled kernels (with Numba installed, ``pip install 'flashcupy[cpu]'``):
+  one vectorised pass per step with the GIL released. 2^x = 2^n 2^f with n =
+  round(x), |f| <= 1/2, and 2^f a polynomial: for float32 of degree 6, fitted
+  to minimise the relative error on [-1/2, 1/2] with p(0) = 1 (1e-7 in float32
+  arithmetic); for float64 the Taylor series of e^(f ln 2) to degree 13. Results
+  below the smallest normal number are 0, NaN stays NaN. The forward rescales
+  lazily: a query's shift m starts at its score for the first key (a lower
+  bound of its maximum) and only moves when a tile's scores exceed it by more
+  than LAZY_HEADROOM, then by a whole power of two (exact rescaling): no
+  separate max pass. A query whose scores exceed its shift by more than 2^60 is
+  recomputed alone with the exact two-pass step.
+- :class:`NumpyKernels`: the same steps as NumPy calls (np.exp2), with the
+  running maximum as the shift.
+
+Both give the semantics of docs/semantics.md with the same special values: a
+query whose scores are all -inf keeps m = -inf and l = 0; NaN or +inf among a
+query's scores makes its l (and so out and lse) NaN. Callers run them under
+``np.errstate(all="ignore")`` (see cpu_parallel), so that Inf/NaN inputs raise
+no RuntimeWarning. tests/test_cpu_kernels.py holds the two to each other.
+
+Select with :func:`kernels`; ``FLASHCUPY_CPU_JIT=0`` in the environment forces
+NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import SimpleNamespace
+from typing import Protocol
+
+import numpy as np
+
+from . import rng
+
+#: Scores are held in base 2 (S log2 e): probabilities are exp2 of a difference.
+LOG2E = 1 / math.log(2)
+LN2 = math.log(2)
+#: How far (base 2) a tile's scores may exceed the running shift before the forward rescales:
+#: probabilities stay below 2^8, sums below 2^8 times the keys.
+LAZY_HEADROOM = 8.0
+#: float32 coefficients of 2^f on [-1/2, 1/2], degree 0 up (see the module docstring).
+EXP2_F32 = (1.0, 0.693147182, 0.240226477, 0.0555033237, 0.00961843692, 0.0013398875, 0.00015353362)
+
+
+class TileKernels(Protocol):
+    """The elementwise steps on transposed tiles; every array is modified in place.
+
+    Shapes: st, dpt (n keys, m queries) C-contiguous; vectors (m,); z (n, m).
+    """
+
+    name: str
+
+    def forward_tile(self, st: np.ndarray, m: np.ndarray, l: np.ndarray, alpha: np.ndarray,
+                     scratch: np.ndarray, damaged: np.ndarray, exact: bool) -> int:
+        """Online softmax step with shift m (base 2): st = 2^(st - m_new), alpha =
+        2^(m - m_new), l = l * alpha + sum_j st, m = m_new, where m_new >= max_j st -
+        LAZY_HEADROOM; with ``exact``, m_new = max(m, max_j st). Special values as in the
+        module docstring (a NaN or +inf score leaves l NaN). ``scratch`` is (3, queries).
+        Returns how many queries (listed in ``damaged``) were left untouched but for their
+        st column, to be recomputed and passed alone with ``exact``. Each query's result
+        depends on its own column only."""
+
+    def backward_tile(self, st: np.ndarray, dpt: np.ndarray, lse: np.ndarray, delta: np.ndarray,
+                      z: np.ndarray | None) -> None:
+        """P = 2^(st - lse); st = P * z; dpt = P * (dpt * z - delta) (z = 1 without dropout).
+
+        ``lse`` is base 2, with -inf already replaced by 0."""
+
+    def mask_outside(self, st: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """st[j, i] = -inf unless lo[i] <= j < hi[i] (tile-relative key bounds per query)."""
+
+    def dropout_scale(self, z: np.ndarray, seed: int, offset: int, bh: int, i0: int, j0: int, p: float) -> None:
+        """z[j, i] = keep(bh, i0 + i, j0 + j) / (1 - p): the Philox bits of flashcupy.rng."""
+
+    def rescale_add(self, o: np.ndarray, alpha: np.ndarray, pv: np.ndarray) -> None:
+        """o = o * alpha[:, None] + pv, with o and pv (m, Dv)."""
+
+    def finish(self, o: np.ndarray, m: np.ndarray, l: np.ndarray, lse: np.ndarray, out: np.ndarray) -> None:
+        """out = o / l and lse = (m + log2 l) ln 2 (natural log), where l != 0; out = 0 and
+        lse = -inf for rows whose every score was masked (NaN rows stay NaN). o, out (m, Dv)."""
+
+
+class NumpyKernels:
+    """The tile steps as NumPy calls."""
+
+    name = "numpy"
+
+    def forward_tile(self, st, m, l, alpha, scratch, damaged, exact):
+        m_new = np.maximum(m, st.max(axis=0))
+        m_safe = np.where(m_new == -np.inf, m.dtype.type(0), m_new)
+        np.exp2(m - m_safe, out=alpha)
+        alpha[~(m_new < np.inf)] = np.nan  # NaN or +inf among the scores: the whole row is NaN
+        st -= m_safe
+        np.exp2(st, out=st)
+        l *= alpha
+        l += st.sum(axis=0)
+        m[...] = m_new
+        return 0
+
+    def backward_tile(self, st, dpt, lse, delta, z):
+        st -= lse
+        np.exp2(st, out=st)  # P
+        if z is not None:
+            dpt *= z
+        dpt -= delta
+        dpt *= st  # dS = P (dP z - D)
+        if z is not None:
+            st *= z  # P z, for dV
+
+    def dropout_scale(self, z, seed, offset, bh, i0, j0, p):
+        keep = rng.dropout_keep(seed, offset, bh, np.arange(i0, i0 + z.shape[1])[:, None],
+                                np.arange(j0, j0 + z.shape[0])[None, :], p)
+        np.multiply(keep.T, z.dtype.type(1 / (1 - p)), out=z)
+
+    def mask_outside(self, st, lo, hi):
+        kept_from, kept_to = lo.max(), hi.min()  # keys every query keeps: nothing to mask there
+        for start, stop in ((0, kept_from), (max(kept_from, kept_to), st.shape[0])):
+            keys = np.arange(start, stop)[:, None]
+            np.copyto(st[start:stop], -np.inf, where=(keys < lo) | (keys >= hi))
+
+    def rescale_add(self, o, alpha, pv):
+        o *= alpha[:, None]
+        o += pv
+
+    def finish(self, o, m, l, lse, out):
+        live = l != 0  # l = 0 only when every score of the row was masked; NaN stays live
+        inv_l = (1 / np.where(live, l, 1)).astype(o.dtype)
+        np.copyto(out, np.where(live[:, None], o * inv_l[:, None], 0), casting="unsafe")
+        lse[...] = np.where(live, (m + np.log2(l)) * LN2, -np.inf)
+
+
+def _numba_kernels():
+    """The compiled tile steps (imports Numba; compiles on first use, cached on disk)."""
+    from numba import njit, types
+    from numba.extending import intrinsic, overload
+
+    same_size = {types.float32: types.int32, types.int32: types.float32,
+                 types.float64: types.int64, types.int64: types.float64}
+
+    @intrinsic
+    def bitcast(typingctx, x):
+        """The bits of a float32/float64 read as an int32/int64, and back."""
+        if x not in same_size:
+            return None
+        return same_size[x](x), lambda context, builder, sig, args: builder.bitcast(
+            args[0], context.get_value_type(sig.return_type))
+
+    def exp2(x):
+        """2^x for x < 2^7 (float32) / 2^10 (float64), 0 below the smallest normal result,
+        NaN -> NaN; larger x give garbage (callers never pass it, or discard the result)."""
+
+    @overload(exp2, fastmath={"contract"})
+    def exp2_impl(x):
+        if x == types.float32:
+            f, i, lowest, bias, mantissa = np.float32, np.int32, -126.0, 127, 23
+            coefs = EXP2_F32
+        elif x == types.float64:
+            f, i, lowest, bias, mantissa = np.float64, np.int64, -1022.0, 1023, 52
+            coefs = tuple(math.log(2) ** d / math.factorial(d) for d in range(14))
+        else:
+            return None
+        lowest, zero = f(lowest), f(0)
+        magic = f(1.5 * 2.0**mantissa)  # adding it rounds to an integer, held in the low mantissa bits
+        bias, mantissa = i(bias), i(mantissa)
+        top, rest = f(coefs[-1]), tuple(f(c) for c in coefs[-2::-1])
+
+        def impl(x):
+            xc = x if x > lowest else lowest
+            t = xc + magic
+            frac = xc - (t - magic)  # x - round(x), exact
+            p = top
+            for c in rest:
+                p = p * frac + c
+            # 2^round(x) from the bits of t: its low bits hold round(x), the shift drops the magic's exponent.
+            y = p * bitcast(i((bitcast(t) + bias) << mantissa))
+            return y if x > lowest else (x if x != x else zero)
+
+        return impl
+
+    jit = njit(nogil=True, cache=True, fastmath={"contract"})
+
+    @jit
+    def forward_tile(st, m, l, alpha, scratch, damaged, exact, headroom):
+        n, cols = st.shape
+        shift, top, total = scratch[0], scratch[1], scratch[2]
+        need_max = exact
+        for i in range(cols):  # each query's shift: its running one, else its first finite score
+            if not exact and -np.inf < m[i] < np.inf:
+                shift[i] = m[i]
+            elif not exact and m[i] == -np.inf and -np.inf < st[0, i] < np.inf:
+                shift[i] = st[0, i]
+            elif m[i] == -np.inf or (exact and m[i] == m[i]):
+                shift[i] = np.float32(np.nan)  # from the maximum below
+                need_max = True
+            else:
+                shift[i] = 0  # a NaN row already
+        if need_max:
+            for i in range(cols):
+                top[i] = m[i] if m[i] == m[i] else np.float32(-np.inf)
+            for j in range(n):
+                for i in range(cols):
+                    top[i] = max(top[i], st[j, i])
+            for i in range(cols):
+                if shift[i] != shift[i]:
+                    shift[i] = top[i] if -np.inf < top[i] < np.inf else np.float32(0)
+        for i in range(cols):
+            top[i] = -np.inf
+            total[i] = 0
+        for j in range(n):
+            for i in range(cols):
+                x = st[j, i]
+                top[i] = max(top[i], x)
+                e = exp2(x - shift[i])  # NaN stays NaN, into l
+                st[j, i] = e
+                total[i] += e
+        count = 0
+        for i in range(cols):
+            jump = top[i] - shift[i]
+            if (jump > 60) & (jump < np.inf):  # 2^(st - shift) past exp2's range: the caller recomputes
+                damaged[count] = i
+                count += 1
+            elif not (m[i] < np.inf and top[i] < np.inf and total[i] == total[i]):  # +inf or NaN: NaN row
+                m[i] = max(m[i], top[i])
+                l[i] = np.float32(np.nan)
+                alpha[i] = np.float32(np.nan)
+            elif top[i] == -np.inf and m[i] == -np.inf:  # nothing kept yet: l = 0, o = 0 stay
+                alpha[i] = 1
+            else:
+                k = np.ceil(jump) if jump > headroom else np.float32(0)
+                m_new = shift[i] + k
+                if k > 0:  # move the shift by a whole power of two: exact rescaling
+                    beta = exp2(-k)
+                    for j in range(n):
+                        st[j, i] *= beta
+                    total[i] *= beta
+                alpha[i] = exp2(m[i] - m_new)  # 1 when the shift stays, 0 for the first tile
+                l[i] = l[i] * alpha[i] + total[i]
+                m[i] = m_new
+        return count
+
+    @jit
+    def backward_tile(st, dpt, lse, delta, z):
+        n, cols = st.shape
+        if z is None:
+            for j in range(n):
+                for i in range(cols):
+                    x = st[j, i] - lse[i]
+                    p = exp2(np.float32(64) if x > 64 else x)  # 64: beyond any consistent lse
+                    st[j, i] = p
+                    dpt[j, i] = p * (dpt[j, i] - delta[i])
+        else:
+            for j in range(n):
+                for i in range(cols):
+                    x = st[j, i] - lse[i]
+                    p = exp2(np.float32(64) if x > 64 else x)
+                    st[j, i] = p * z[j, i]
+                    dpt[j, i] = p * (dpt[j, i] * z[j, i] - delta[i])
+
+    @jit
+    def philox_keep(z, key0, key1, offset, bh, i0, j0, threshold, scale):
+        n, cols = z.shape
+        m0, m1 = np.uint64(rng.PHILOX_M0), np.uint64(rng.PHILOX_M1)
+        w0, w1 = np.uint64(rng.PHILOX_W0), np.uint64(rng.PHILOX_W1)
+        low, shift, zero = np.uint64(0xFFFFFFFF), np.uint64(32), z.dtype.type(0)
+        for group in range(j0 >> 2, ((j0 + n - 1) >> 2) + 1):  # one Philox call: keys 4 group .. 4 group + 3
+            first = 4 * group - j0
+            for i in range(cols):
+                c0, c1, c2, c3 = np.uint64(group), np.uint64(i0 + i), np.uint64(bh), np.uint64(offset)
+                k0, k1 = np.uint64(key0), np.uint64(key1)
+                for _ in range(rng.PHILOX_ROUNDS):
+                    p0, p1 = m0 * c0, m1 * c2
+                    c0, c1, c2, c3 = (p1 >> shift) ^ c1 ^ k0, p1 & low, (p0 >> shift) ^ c3 ^ k1, p0 & low
+                    k0, k1 = (k0 + w0) & low, (k1 + w1) & low
+                if 0 <= first < n:
+                    z[first, i] = scale if c0 >= threshold else zero
+                if 0 <= first + 1 < n:
+                    z[first + 1, i] = scale if c1 >= threshold else zero
+                if 0 <= first + 2 < n:
+                    z[first + 2, i] = scale if c2 >= threshold else zero
+                if 0 <= first + 3 < n:
+                    z[first + 3, i] = scale if c3 >= threshold else zero
+
+    def dropout_scale(z, seed, offset, bh, i0, j0, p):
+        philox_keep(z, seed & 0xFFFFFFFF, seed >> 32, offset, bh, i0, j0, rng.dropout_threshold(p),
+                    z.dtype.type(1 / (1 - p)))
+
+    @jit
+    def mask_outside(st, lo, hi):
+        n, cols = st.shape
+        kept_from, kept_to = lo.max(), hi.min()  # keys every query keeps: nothing to mask there
+        for j in range(n):
+            if kept_from <= j < kept_to:
+                continue
+            for i in range(cols):
+                st[j, i] = st[j, i] if (j >= lo[i]) & (j < hi[i]) else np.float32(-np.inf)
+
+    @jit
+    def rescale_add(o, alpha, pv):
+        rows, cols = o.shape
+        for i in range(rows):
+            a = alpha[i]
+            for d in range(cols):
+                o[i, d] = o[i, d] * a + pv[i, d]
+
+    @jit
+    def finish(o, m, l, lse, out):
+        rows, cols = o.shape
+        for i in range(rows):
+            if l[i] != 0:  # l = 0 only when every score of the row was masked; NaN stays live
+                inv = np.float32(1) / l[i]
+                for d in range(cols):
+                    out[i, d] = o[i, d] * inv
+                lse[i] = (m[i] + np.log2(l[i])) * LN2
+            else:
+                for d in range(cols):
+                    out[i, d] = 0
+                lse[i] = -np.inf
+
+    def forward_tile_step(st, m, l, alpha, scratch, damaged, exact):
+        return forward_tile(st, m, l, alpha, scratch, damaged, exact, LAZY_HEADROOM)
+
+    return SimpleNamespace(name="numba", forward_tile=forward_tile_step, backward_tile=backward_tile,
+                           dropout_scale=dropout_scale, mask_outside=mask_outside, rescale_add=rescale_add,
+                           finish=finish)
+
+
+_NUMPY = NumpyKernels()
+_compiled: list = []  # the Numba kernels once built, or None when Numba is missing
+
+
+def numba_kernels() -> TileKernels | None:
+    """The compiled kernels, or None when Numba cannot be imported."""
+    if not _compiled:
+        try:
+            _compiled.append(_numba_kernels())
+        except ImportError:
+            _compiled.append(None)
+    return _compiled[0]
+
+
+def kernels(jit: bool | None = None) -> TileKernels:
+    """The kernels to use: compiled when ``jit`` (default: unless FLASHCUPY_CPU_JIT=0) and
+    Numba is installed, else NumPy's."""
+    if jit is None:
+        jit = os.environ.get("FLASHCUPY_CPU_JIT", "1").strip() not in ("0", "false", "no", "off")
+    return (numba_kernels() or _NUMPY) if jit else _NUMPY

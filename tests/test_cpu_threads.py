@@ -1,0 +1,207 @@
+"""The CPU backend on several threads: results bitwise the same for every thread count,
+the thread-count settings, and BLAS held at one thread while tasks run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+
+import flashcupy as fc
+from flashcupy import cpu, cpu_kernels, cpu_parallel
+
+from support import F32, F64, FLOOR, Case, assert_rule, cancelling_terms, cases, cpu_tiles
+
+JIT = [False] + ([True] if cpu_kernels.numba_kernels() is not None else [])
+try:
+    import threadpoolctl
+except ImportError:  # the backend then runs tasks on the calling thread
+    threadpoolctl = None
+
+
+@contextlib.contextmanager
+def kernels(jit: bool):
+    """Run the CPU backend with the compiled (``jit``) or the NumPy tile kernels."""
+    with mock.patch.dict(os.environ, {"FLASHCUPY_CPU_JIT": "1" if jit else "0"}):
+        yield
+
+
+def run(case: Case, threads: int) -> list[np.ndarray]:
+    """out, lse and every gradient of ``case`` on the CPU backend with ``threads`` threads."""
+    bias_grad = case.options.get("bias") is not None
+    with fc.cpu_threads(threads), cpu_tiles(case.tiles):
+        out, lse = fc.flash_attention_forward(case.q, case.k, case.v, backend="cpu", **case.options)
+        grads = fc.flash_attention_backward(
+            case.dout, case.q, case.k, case.v, out, lse, bias_grad=bias_grad, backend="cpu", **case.options
+        )
+    return [out, lse, *grads]
+
+
+def assert_bitwise_equal(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv", "dbias"), a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"{name} differs between thread counts"
+
+
+def _many_tasks(seed: int, dtype: np.dtype, causal: bool, gqa: int) -> Case:
+    """A problem with a few dozen forward and backward tasks at small tiles."""
+    rs = np.random.default_rng(seed)
+    q = rs.standard_normal((2, 2 * gqa, 45, 24)).astype(dtype)
+    k = rs.standard_normal((2, 2, 38, 24)).astype(dtype)
+    v = rs.standard_normal((2, 2, 38, 16)).astype(dtype)
+    dout = rs.standard_normal((2, 2 * gqa, 45, 16)).astype(dtype)
+    return Case(q, k, v, dout, {"causal": causal}, (8, 16))
+
+
+@pytest.mark.parametrize("jit", JIT)
+@given(case=cases(head_dims=(3, 16, 40)))
+@example(case=_many_tasks(0, F32, False, 1))
+@example(case=_many_tasks(1, F64, True, 3))
+def test_results_bitwise_equal_across_thread_counts(jit, case):
+    with kernels(jit):
+        one = run(case, 1)
+        for threads in (2, 3):
+            assert_bitwise_equal(one, run(case, threads))
+
+
+@pytest.mark.parametrize("jit", JIT)
+@pytest.mark.parametrize("splits", [2, 3])
+@given(case=cases(dtypes=(F32, F64)))
+@example(case=_many_tasks(2, F32, True, 2))
+def test_backward_with_key_ranges_matches_reference(jit, splits, case):
+    """Groups cut into key ranges (few heads on many cores) sum dQ correctly, bitwise alike
+    on every thread count."""
+    with kernels(jit), mock.patch.object(cpu, "backward_splits", lambda pb, groups: splits):
+        results = run(case, 1)
+        assert_bitwise_equal(results, run(case, 2))
+    ref, naive = case.references()
+    magnitude = cancelling_terms(case, ref)
+    for name, ours in zip(("out", "lse", "dq", "dk", "dv", "dbias"), results):
+        dtype = case.dtype
+        if name == "dbias":  # rounded to the bias's dtype: the wider of the two floors
+            dtype = max(case.dtype, case.options["bias"].dtype, key=lambda d: FLOOR[d])
+        assert_rule(name, ours, ref[name], naive[name], dtype, magnitude.get(name, 0.0))
+
+
+def test_backward_splits_depend_on_the_machine_not_the_thread_count():
+    x = np.zeros((1, 4096, 8), np.float32)
+    pb = fc.problem.make_host_problem(x, x, x, {})
+    with mock.patch.object(cpu, "MACHINE_CORES", 64):
+        many = cpu.backward_splits(pb, 1)
+        with fc.cpu_threads(1):
+            assert cpu.backward_splits(pb, 1) == many
+    assert 1 < many <= 8
+    with mock.patch.object(cpu, "MACHINE_CORES", 4):
+        assert cpu.backward_splits(pb, 4) == 1
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_default_is_the_available_cores(monkeypatch):
+    for name in cpu_parallel.THREAD_LIMIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    fc.set_cpu_threads(None)
+    assert fc.get_cpu_threads() == cpu_parallel.available_cores()
+    if hasattr(os, "sched_getaffinity"):
+        assert cpu_parallel.available_cores() == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    "env, cap",
+    [
+        ({"OMP_NUM_THREADS": "1"}, 1),
+        ({"OMP_NUM_THREADS": "1,4"}, 1),  # OpenMP's nested list: the outer level
+        ({"OMP_NUM_THREADS": "junk", "OPENBLAS_NUM_THREADS": "1"}, 1),
+        ({"OMP_NUM_THREADS": "0", "MKL_NUM_THREADS": "1"}, 1),
+        ({"OMP_NUM_THREADS": "100000"}, None),  # never above the available cores
+        ({}, None),
+    ],
+)
+def test_environment_caps_the_default(monkeypatch, env, cap):
+    for name in cpu_parallel.THREAD_LIMIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cores = cpu_parallel.available_cores()
+    assert fc.get_cpu_threads() == (cores if cap is None else min(cap, cores))
+
+
+def test_set_and_context_override_and_restore():
+    default = fc.get_cpu_threads()
+    try:
+        fc.set_cpu_threads(5)
+        assert fc.get_cpu_threads() == 5
+        with fc.cpu_threads(2):
+            assert fc.get_cpu_threads() == 2
+            with fc.cpu_threads(None):  # None inside a block: the process setting
+                assert fc.get_cpu_threads() == 5
+            seen = []
+            other = threading.Thread(target=lambda: seen.append(fc.get_cpu_threads()))
+            other.start()
+            other.join()
+            assert seen == [5], "a cpu_threads block applies to its own thread only"
+        assert fc.get_cpu_threads() == 5
+    finally:
+        fc.set_cpu_threads(None)
+    assert fc.get_cpu_threads() == default
+
+
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError),
+                                        ("2", TypeError)])
+def test_bad_thread_counts_name_the_argument(bad, error):
+    with pytest.raises(error, match="threads: expected a positive int or None"):
+        fc.set_cpu_threads(bad)
+    with pytest.raises(error, match="threads: expected a positive int or None"):
+        with fc.cpu_threads(bad):
+            pass
+
+
+# --------------------------------------------------------------------------- the task runner
+
+
+@pytest.mark.skipif(threadpoolctl is None, reason="threadpoolctl is not installed")
+def test_tasks_run_on_the_requested_threads_with_single_threaded_blas():
+    seen: dict[int, set] = {}
+    blas_threads = []
+
+    def task(index, state):
+        seen.setdefault(index, set()).add(threading.get_ident())
+        blas_threads.extend(info["num_threads"] for info in threadpoolctl.threadpool_info()
+                            if info["user_api"] == "blas")
+        time.sleep(0.01)
+
+    before = [info["num_threads"] for info in threadpoolctl.threadpool_info() if info["user_api"] == "blas"]
+    cpu_parallel.run_tasks(list(range(12)), task, dict, threads=3)
+    idents = set().union(*seen.values())
+    assert sorted(seen) == list(range(12)) and all(len(s) == 1 for s in seen.values())
+    assert len(idents) == 3
+    assert set(blas_threads) == {1}
+    after = [info["num_threads"] for info in threadpoolctl.threadpool_info() if info["user_api"] == "blas"]
+    assert after == before
+
+
+def test_task_error_propagates_and_stops_the_rest():
+    done = []
+
+    def task(index, state):
+        if index == 3:
+            raise KeyError("task 3")
+        done.append(index)
+
+    with pytest.raises(KeyError, match="task 3"):
+        cpu_parallel.run_tasks(list(range(200)), task, dict, threads=2)
+    assert len(done) < 199
+
+
+def test_scratch_is_made_once_per_thread():
+    made = []
+    cpu_parallel.run_tasks(list(range(50)), lambda i, state: state.append(i), lambda: made.append([]) or made[-1],
+                           threads=2)
+    assert 1 <= len(made) <= 2 and sorted(sum(made, [])) == list(range(50))
