@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=8, help="timed calls per build and round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--base-commit", help="the base's commit, where --base is a copy without git history")
+    parser.add_argument("--commit", help="this checkout's commit, where its git history did not travel with it")
     parser.add_argument("--out", type=Path, help="JSON path (default bench/results/<gpu>-<date>-builds.json)")
     args = parser.parse_args(argv)
 
@@ -167,7 +168,11 @@ def main(argv=None) -> int:
                "slower_than_3_percent": [f"{r['dtype']} D={r['D']} L={r['L']} causal={r['causal']} {r['mode']}: "
                                          f"{r['ratio']}" for r in rows if r.get("ratio", 1) < 1 / 1.03]}
     today = datetime.date.today().isoformat()
-    result = {"gpu": gpu, "date": today, "commit": _commit(ROOT), "base_commit": args.base_commit or _commit(args.base),
+    from flashcupy.cuda.compile import source_hash
+
+    result = {"gpu": gpu, "date": today, "commit": args.commit or _commit(ROOT),
+              "base_commit": args.base_commit or _commit(args.base), "kernel_hash": source_hash(),
+              "base_kernel_hash": base.cuda.compile.source_hash(),
               "cupy": cp.__version__, "torch": None, "suite": "core", "rows": rows, "summary": summary}
     out = args.out or ROOT / "bench" / "results" / f"{gpu.lower().replace(' ', '-')}-{today}-builds.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
