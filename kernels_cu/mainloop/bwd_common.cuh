@@ -22,6 +22,10 @@ namespace flash {
 // points the accumulator at dQ wherever the layouts agree).
 enum DqAccum : int { kDqOwnKernel = 0, kDqOverScale = 1, kDqItself = 2 };
 
+// Whether the dQ atomics multiply by the scale: where the accumulator holds dQ itself and dS
+// does not carry the scale already.
+template <int DQ> constexpr bool kScaleAtomics = DQ == kDqItself;
+
 // lse in the log2 domain; a fully masked row (lse = -inf) subtracts 0, so that its
 // scores, all -inf, give exp2(-inf) = 0 rather than NaN.
 template <typename Acc> __device__ __forceinline__ Acc lse_log2(Acc lse) {

@@ -38,8 +38,6 @@ struct BwdWarp {
     template <typename ScoreSet>
     static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {
         constexpr bool FULL = ScoreSet::kFull;
-        // The atomics multiply by the scale where the accumulator holds dQ itself.
-        constexpr bool kScaleAtomics = DQ == kDqItself;
         constexpr int NT = BLOCK_C / 8, NC = CH / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
@@ -100,7 +98,7 @@ struct BwdWarp {
             if constexpr (FUSED_DQ) {
                 Policy::template store_p<BLOCK_C, LDS>(pf, sdS + 16 * MI * warp * LDS);
                 __syncthreads();  // dS^T of every key of the block is in sdS
-                warp_dq<One, kScaleAtomics, WARPS, HD, CH, BLOCK_R, BLOCK_C, LD, LDS, 0>(
+                warp_dq<One, kScaleAtomics<DQ>, WARPS, HD, CH, BLOCK_R, BLOCK_C, LD, LDS, 0>(
                     bp, sdS, sK, blk.c0, warp, blk.template dq_rows<Acc>(hv), i0, tile.i1);
             }
             if (STAGES == 1 && next_hq < blk.group) {

@@ -36,8 +36,6 @@ struct BwdWgmma {
     template <typename ScoreSet>
     static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {
         static_assert(!ScoreSet::kFull, "the warpgroup dK/dV kernel takes PlainScores");
-        // The atomics multiply by the scale where the accumulator holds dQ itself.
-        constexpr bool kScaleAtomics = DQ == kDqItself;
         constexpr int NT = BLOCK_C / 8, NC = CH / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
@@ -103,7 +101,7 @@ struct BwdWgmma {
             fence_regs(dq[0]);
             fence_regs(pf[0]);
             fence_regs(dsf[0]);
-            add_dq_tile<kScaleAtomics>(blk.template dq_rows<Acc>(hv), bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4),
+            add_dq_tile<kScaleAtomics<DQ>>(blk.template dq_rows<Acc>(hv), bp.dqa_sr, dq, i0 + 64 * qb + 16 * (warp % 4),
                                        tile.i1, col0, bp.d_true, p.scale);
         });
         store_dkdv<T>(blk, r0, t, static_cast<Acc>(p.scale), min(CH, bp.d_true - blk.c0), min(CH, p.dv - blk.c0), dk,
