@@ -11,18 +11,25 @@ Two tiers:
 - **The matrix** (marker ``compile_matrix``, left out of the default run; ``.ci/run`` runs it):
   every kernel of ``all_forward_specs(arch)`` and ``all_backward_specs(arch)`` for every arch of
   ``ARCH_SMEM``, compiled once per architecture class (:data:`CLASSES`), in parallel over the
-  machine's cores: one test per (family, class).
+  machine's cores, with a progress line every half minute.
 - **The representative check** (default run): per class and family, one kernel per pipeline,
-  the cheapest (smallest head dim), so that a source that no longer compiles anywhere fails
-  in seconds.
+  the cheapest (smallest head dim), compiled to machine code, so that a source that no longer
+  compiles anywhere fails in seconds.
 
 Architecture classes. A class compiles its kernels for one architecture on behalf of its
 members where ptxas' reports agree: sm_86 and sm_89 (the same kernel set, and the same
 registers, stack frame and spills kernel by kernel for every kernel, measured when the
-classes were drawn). The SIMT kernels of sm_80..sm_90 form one class compiled for sm_90: their
-source takes one branch on every sm_80+ architecture (cp.async), and their spills only warn.
-The matrix also recompiles a sample of each multi-member class for its other members and
-fails if a report differs, so the classes cannot silently stop agreeing.
+classes were drawn). The matrix also recompiles a sample of each multi-member class for its
+other members and fails if a report differs, so the classes cannot silently stop agreeing.
+
+The portable SIMT kernels (the only path before sm_80; on sm_80+ only under
+FLASHCUPY_FORCE_PORTABLE=1) are two classes: sm_75, and every sm_80+ set at once (their source
+takes one branch, cp.async, on every sm_80+ architecture). Their spills only warn, and their
+machine code is two thirds of all the NVRTC work, so the matrix puts every one of them through
+NVRTC's front end (``-fdevice-syntax-only``: each template instantiated, every static_assert
+checked, in milliseconds) and compiles to machine code, with ptxas' report, the widest of each
+variant (dtype, entry, options compiled in: the largest head dim, where registers run out
+first); the default run compiles the narrowest.
 
 Requirements: ``pip install '.[nvrtc]'`` (cupy-cuda12x, nvidia-cuda-nvrtc-cu12 and
 nvidia-cuda-runtime-cu12, whose include/ folder holds cuda_fp16.h and friends; a CUDA
@@ -41,6 +48,8 @@ import ctypes
 import ctypes.util
 import os
 import re
+import threading
+import time
 import warnings
 from typing import NamedTuple
 
@@ -58,28 +67,35 @@ CHUNK = 12
 AGREEMENT_SAMPLE = 6
 #: Peak memory of one NVRTC process on the largest programs, to bound the workers.
 NVRTC_PEAK_BYTES = 2.5 * 2**30
+#: Seconds between the matrix's progress lines.
+PROGRESS_SECONDS = 30
 
 
 class ArchClass(NamedTuple):
     """Architectures whose kernels compile once, for ``arch``: every kernel of the members'
-    sets whose policy is SIMT (``simt`` True) or not (False), or all of them (None)."""
+    sets whose policy is SIMT (``simt`` True) or not (False), or all of them (None); all to
+    machine code, or (``front_end``) all through NVRTC's front end and the widest of each
+    variant to machine code."""
 
     name: str
     arch: int
     members: tuple[int, ...]
     simt: bool | None
+    front_end: bool = False
 
 
 CLASSES = (
-    ArchClass("sm_75", 75, (75,), None),  # SIMT only: no tensor-core kernels before sm_80
+    ArchClass("sm_75", 75, (75,), None, front_end=True),  # SIMT only: no tensor-core kernels before sm_80
     ArchClass("sm_80", 80, (80,), False),
     ArchClass("sm_86+sm_89", 86, (86, 89), False),
     ArchClass("sm_90", 90, (90,), False),
-    ArchClass("simt-sm_80-to-sm_90", 90, (80, 86, 89, 90), True),
+    ArchClass("simt-sm_80-to-sm_90", 80, (80, 86, 89, 90), True, front_end=True),
 )
 CLASS_IDS = [c.name for c in CLASSES]
-#: Classes whose members share ptxas' reports (SIMT classes share a source branch instead).
-AGREEING = [c for c in CLASSES if len(c.members) > 1 and not c.simt]
+#: Classes compiled to machine code whose members share ptxas' reports.
+AGREEING = [c for c in CLASSES if len(c.members) > 1 and not c.front_end]
+MACHINE_CODE = [c for c in CLASSES if not c.front_end]
+FRONT_END = [c for c in CLASSES if c.front_end]
 
 
 _COMPILING = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)a?'")
@@ -163,13 +179,20 @@ def _canonical(signature: str) -> str:
 
 
 class Kernel(NamedTuple):
-    """One compiled entry function: its NVRTC name expression, warp policy, parameter block
-    and padded head dim."""
+    """One compiled entry function: its NVRTC name expression, warp policy, parameter block,
+    padded head dim and dtype."""
 
     name_expression: str
     policy: str
     params: str
     head_dim: int
+    dtype: str
+    full: bool
+
+    @property
+    def entry(self) -> str:
+        """The kernel template: flash::flash_fwd, flash::flash_bwd_dkdv, ..."""
+        return self.name_expression.split("<", 1)[0]
 
 
 def kernels(family: str, arch: int) -> list[Kernel]:
@@ -177,12 +200,14 @@ def kernels(family: str, arch: int) -> list[Kernel]:
     from flashcupy.cuda.spec import all_backward_specs, all_forward_specs
 
     if family == "forward":
-        return [Kernel(s.name_expression, s.policy, "flash::Params", s.head_dim) for s in all_forward_specs(arch)]
+        return [Kernel(s.name_expression, s.policy, "flash::Params", s.head_dim, s.dtype, s.full)
+                for s in all_forward_specs(arch)]
     unique = {}
     for s in all_backward_specs(arch):
         for name, _ in s.kernels:  # the delta kernel and the dQ converter have no matrix products
             products = not name.startswith(("flash::flash_bwd_delta<", "flash::flash_bwd_dq_convert<"))
-            unique[name] = Kernel(name, s.policy if products else "none", "flash::BwdParams", s.head_dim)
+            unique[name] = Kernel(name, s.policy if products else "none", "flash::BwdParams", s.head_dim, s.dtype,
+                                  s.full)
     return sorted(unique.values())
 
 
@@ -212,6 +237,16 @@ def representatives(family: str, cls: ArchClass) -> list[Kernel]:
     for k in class_kernels(family, cls):
         if k.policy != "none" and (k.policy not in best or (k.head_dim, k) < (best[k.policy].head_dim, best[k.policy])):
             best[k.policy] = k
+    return sorted(best.values())
+
+
+def widest(family: str, cls: ArchClass) -> list[Kernel]:
+    """Per variant (dtype, entry, options compiled in), the kernel of the largest head dim."""
+    best: dict[tuple, Kernel] = {}
+    for k in class_kernels(family, cls):
+        variant = (k.dtype, k.entry, k.full)
+        if variant not in best or (-k.head_dim, k) < (-best[variant].head_dim, best[variant]):
+            best[variant] = k
     return sorted(best.values())
 
 
@@ -291,6 +326,11 @@ def check_report(log: str, specs: list[Kernel], arch: int) -> dict[str, dict]:
             for e, s in zip(entries, matched)}
 
 
+def _compile(front_end: bool, family: str, names: list[str], arch: int) -> str:
+    """One job of the pool: NVRTC's front end only, or machine code with ptxas' report (its log)."""
+    return compile_for_arch(family, names, arch, front_end=front_end)
+
+
 def _workers(jobs: int) -> int:
     """Processes for ``jobs`` NVRTC programs: one per core this process may use, fewer where
     memory would not hold that many NVRTC processes at their peak."""
@@ -303,10 +343,10 @@ def _workers(jobs: int) -> int:
     return max(1, min(cores, jobs))
 
 
-def _cost(names: list[str], simt: bool) -> float:
-    """A job's expected compile time, for largest-first scheduling: SIMT kernels take about
-    three times a tensor-core kernel's."""
-    return len(names) * (3.0 if simt else 1.0)
+def _cost(names: list[str], simt: bool, front_end: bool) -> float:
+    """A job's expected compile time in tensor-core kernels, for largest-first scheduling:
+    a SIMT kernel takes about three times as long to machine code; the front end, nothing."""
+    return len(names) * (0.01 if front_end else 3.0 if simt else 1.0)
 
 
 def _selected(request, test_name: str) -> set[tuple[str, str]]:
@@ -315,43 +355,84 @@ def _selected(request, test_name: str) -> set[tuple[str, str]]:
             if item.module is request.module and item.originalname == test_name and hasattr(item, "callspec")}
 
 
-def _pooled(jobs: list[tuple[tuple, str, int, list[str], bool]]):
-    """Generator of {key: [futures of compile_for_arch's logs]} for ``jobs`` (key, family,
-    arch, names, simt), all submitted at once to a process pool, largest first so that the
-    cores stay busy to the end; what is still pending at the end is cancelled."""
-    jobs = sorted(jobs, key=lambda job: -_cost(job[3], job[4]))
+class _Progress:
+    """Kernels compiled so far, as a line on the terminal at most every PROGRESS_SECONDS and
+    at the end (from the pool's callback threads)."""
+
+    def __init__(self, request, total: int):
+        self.reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        self.capture = request.config.pluginmanager.get_plugin("capturemanager")
+        self.total, self.done = total, 0
+        self.start = self.last = time.monotonic()
+        self.lock = threading.Lock()
+
+    def add(self, count: int) -> None:
+        with self.lock:
+            self.done += count
+            now = time.monotonic()
+            if self.reporter is None or (now - self.last < PROGRESS_SECONDS and self.done < self.total):
+                return
+            self.last = now
+            line = f"compile matrix: {self.done} of {self.total} kernels compiled in {now - self.start:.0f} s"
+            if self.capture is None:
+                self.reporter.write_line(line)
+                return
+            with self.capture.global_and_fixture_disabled():  # past pytest's capture, as its own lines go
+                self.reporter.write_line(line)
+
+
+def _pooled(request, jobs: list[tuple[tuple, str, int, list[str], bool, bool]], progress: bool):
+    """Generator of {key: [futures]} for ``jobs`` (key, family, arch, names, simt, front_end), all
+    submitted at once to a process pool, largest first so that the cores stay busy to the
+    end; what is still pending at the end is cancelled."""
+    jobs = sorted(jobs, key=lambda job: -_cost(job[3], job[4], job[5]))
+    counter = _Progress(request, sum(len(job[3]) for job in jobs)) if progress else None
     futures: dict[tuple, list] = {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=_workers(len(jobs))) as pool:
-        for key, family, arch, names, _ in jobs:
-            futures.setdefault(key, []).append(pool.submit(compile_for_arch, family, names, arch))
+        for key, family, arch, names, _, front_end in jobs:
+            future = pool.submit(_compile, front_end, family, names, arch)
+            if counter is not None:
+                future.add_done_callback(lambda f, n=len(names): counter.add(n))
+            futures.setdefault(key, []).append(future)
         yield futures
         for parts in futures.values():
             for future in parts:
                 future.cancel()
 
 
+def _chunks(key: tuple, family: str, arch: int, found: list[Kernel], simt: bool, front_end: bool) -> list[tuple]:
+    """Jobs of CHUNK kernels each (the front end takes them all at once: it costs milliseconds)."""
+    names = [k.name_expression for k in found]
+    size = len(names) if front_end else CHUNK
+    return [(key, family, arch, names[i:i + size], simt, front_end) for i in range(0, len(names), size)]
+
+
 @pytest.fixture(scope="module")
 def matrix(request):
     """Futures of the matrix items of the session: key (family, class name) for a class's
-    kernels, in programs of CHUNK kernels; (family, class name, member) for the agreement
-    sample compiled for another member."""
+    kernels, in programs of CHUNK kernels (or the front end's one); ("widest", family, class
+    name) for the widest SIMT kernels' machine code; (family, class name, member) for the
+    agreement sample compiled for another member."""
     problem = nvrtc_problem()
     if problem is not None:
         _unavailable(problem)
     by_name = {c.name: c for c in CLASSES}
-    whole = _selected(request, "test_kernels_compile_without_spills")
+    whole = (_selected(request, "test_kernels_compile_without_spills")
+             | _selected(request, "test_simt_kernels_instantiate"))
     jobs = []
     for family, name in whole:
         cls = by_name[name]
-        found = [k.name_expression for k in class_kernels(family, cls)]
-        jobs += [((family, name), family, cls.arch, found[i:i + CHUNK], bool(cls.simt))
-                 for i in range(0, len(found), CHUNK)]
+        jobs += _chunks((family, name), family, cls.arch, class_kernels(family, cls), bool(cls.simt), cls.front_end)
+    for family, name in _selected(request, "test_widest_simt_kernels_compile_without_spills"):
+        cls = by_name[name]
+        jobs += _chunks(("widest", family, name), family, cls.arch, widest(family, cls), True, False)
     for family, name in _selected(request, "test_class_members_agree"):
         cls = by_name[name]
-        sample = [k.name_expression for k in agreement_sample(family, cls)]
+        sample = agreement_sample(family, cls)
         others = [m for m in cls.members if m != cls.arch or (family, name) not in whole]
-        jobs += [((family, name, member), family, member, sample, bool(cls.simt)) for member in others]
-    yield from _pooled(jobs)
+        for member in others:
+            jobs += _chunks((family, name, member), family, member, sample, False, False)
+    yield from _pooled(request, jobs, progress=True)
 
 
 @pytest.fixture(scope="module")
@@ -361,22 +442,30 @@ def representative(request):
     if problem is not None:
         _unavailable(problem)
     by_name = {c.name: c for c in CLASSES}
-    jobs = [((family, name), family, by_name[name].arch,
-             [k.name_expression for k in representatives(family, by_name[name])], bool(by_name[name].simt))
-            for family, name in _selected(request, "test_representative_kernels_compile_without_spills")]
-    yield from _pooled(jobs)
+    jobs = []
+    for family, name in _selected(request, "test_representative_kernels_compile_without_spills"):
+        cls = by_name[name]
+        found = [k.name_expression for k in representatives(family, cls)]
+        jobs.append(((family, name), family, cls.arch, found, bool(cls.simt), False))
+    yield from _pooled(request, jobs, progress=False)
+
+
+def _results(futures: dict, key: tuple, front_end: bool, family: str, names: list[str], arch: int) -> list:
+    """The compile results of ``names`` for ``arch``: from the fixture's futures (a
+    KernelCompileError carries NVRTC's log), or compiled here when the fixture did not see
+    the item."""
+    if key in futures:
+        return [future.result() for future in futures[key]]
+    return [_compile(front_end, family, names, arch)]
 
 
 def _log(futures: dict, key: tuple, family: str, names: list[str], arch: int) -> str:
-    """The compile log of ``names`` for ``arch``: from the fixture's futures (KernelCompileError
-    carries NVRTC's log), or compiled here when the fixture did not see the item."""
-    if key in futures:
-        return "\n".join(future.result() for future in futures[key])
-    return compile_for_arch(family, names, arch)
+    """ptxas' report of ``names`` compiled to machine code for ``arch``."""
+    return "\n".join(_results(futures, key, False, family, names, arch))
 
 
 @pytest.mark.compile_matrix
-@pytest.mark.parametrize("cls", CLASSES, ids=CLASS_IDS)
+@pytest.mark.parametrize("cls", MACHINE_CODE, ids=[c.name for c in MACHINE_CODE])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kernels_compile_without_spills(matrix, family, cls):
     from flashcupy.cuda.spec import ARCH_SMEM
@@ -384,8 +473,30 @@ def test_kernels_compile_without_spills(matrix, family, cls):
     assert set(cls.members) <= set(ARCH_SMEM)
     specs = class_kernels(family, cls)
     assert specs, f"no {family} kernels in {cls.name}"
-    log = _log(matrix, (family, cls.name), family, [s.name_expression for s in specs], cls.arch)
-    check_report(log, specs, cls.arch)
+    check_report(_log(matrix, (family, cls.name), family, [s.name_expression for s in specs], cls.arch),
+                 specs, cls.arch)
+
+
+@pytest.mark.compile_matrix
+@pytest.mark.parametrize("cls", FRONT_END, ids=[c.name for c in FRONT_END])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_simt_kernels_instantiate(matrix, family, cls):
+    """Every kernel of the class through NVRTC's front end for compute_<arch> (a failure
+    raises KernelCompileError with NVRTC's log)."""
+    specs = class_kernels(family, cls)
+    assert specs, f"no {family} kernels in {cls.name}"
+    _results(matrix, (family, cls.name), True, family, [s.name_expression for s in specs], cls.arch)
+
+
+@pytest.mark.compile_matrix
+@pytest.mark.parametrize("cls", FRONT_END, ids=[c.name for c in FRONT_END])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_widest_simt_kernels_compile_without_spills(matrix, family, cls):
+    """Per variant, the kernel of the largest head dim, to machine code for the class's arch,
+    with ptxas' report (a SIMT spill warns)."""
+    specs = widest(family, cls)
+    check_report(_log(matrix, ("widest", family, cls.name), family, [s.name_expression for s in specs], cls.arch),
+                 specs, cls.arch)
 
 
 @pytest.mark.compile_matrix
@@ -414,7 +525,8 @@ def test_class_members_agree(matrix, family, cls):
 @pytest.mark.parametrize("cls", CLASSES, ids=CLASS_IDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_representative_kernels_compile_without_spills(representative, family, cls):
-    """The default run's quick check: each pipeline of each class, at its smallest head dim."""
+    """The default run's quick check: each pipeline of each class, at its smallest head dim,
+    to machine code for the class's arch."""
     specs = representatives(family, cls)
     assert specs, f"no {family} kernels in {cls.name}"
     names = [s.name_expression for s in specs]

@@ -276,12 +276,15 @@ def precompile(kernels: Iterable[tuple[str, str, int]], device_id: int, workers:
             future.result()
 
 
-def compile_for_arch(family: str, names: list[str], arch: int) -> str:
+def compile_for_arch(family: str, names: list[str], arch: int, front_end: bool = False) -> str:
     """Compile ``names`` for sm_``arch`` with NVRTC directly (no GPU needed); returns the log
-    with ptxas' verbose report. Raises KernelCompileError on failure."""
+    with ptxas' verbose report. With ``front_end``, only NVRTC's front end runs, for
+    compute_``arch`` (templates instantiated, static_asserts checked, no code generated).
+    Raises KernelCompileError on failure."""
     from cupy_backends.cuda.libs import nvrtc
 
-    options = [*compile_options(), f"-arch={arch_flag(arch)}", "--ptxas-options=--verbose"]
+    options = ([*compile_options(), f"-arch=compute_{arch}", "-fdevice-syntax-only"] if front_end else
+               [*compile_options(), f"-arch={arch_flag(arch)}", "--ptxas-options=--verbose"])
     program = nvrtc.createProgram(read_source(family), _SOURCES[family], [], [])
     try:
         for name in names:
