@@ -41,7 +41,7 @@ struct OnlineSoftmax {
         // i = 16 mi + 8 (e >> 1) is 8 x for the thread's row x (a constant once unrolled).
         auto fold_max = [&](Acc& s, int i, int) { row_max[i / 8] = max_acc(row_max[i / 8], s); };
         const bool crosses = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
-        if (scores.plain && jt1 - jt0 == 8 * NP && !crosses) {  // Scores::fast, written out for the compiler
+        if (scores.plain && jt1 - jt0 == 8 * NP && !crosses) {  // a fast tile: whole, plain, inside the band
             each_element(sp, 0, 0, 0, [&](Acc& s, int i, int j) {
                 s *= scores.op.scale_log2;  // S = scale * log2(e) * Q K^T
                 fold_max(s, i, j);

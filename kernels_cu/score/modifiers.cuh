@@ -70,14 +70,9 @@ struct ScoreOp {
     }
 
     // The log2-domain score of row i < q_len, key j < kv_len (positions inside the sequence)
-    // from raw = q.k. check_band: the tile crosses a causal/window edge, compare per element.
-    __device__ __forceinline__ Acc operator()(const Params& p, const HeadView& hv, Acc raw, int i, int j,
-                                              bool check_band) const {
-        return (*this)(p, hv, raw, i, j, check_band, Band(p, hv));
-    }
-
-    // The same with the band's bounds built by the caller (once per tile: built per score, they
-    // are left to the compiler to hoist).
+    // from raw = q.k. check_band: the tile crosses a causal/window edge, compare per element
+    // with the band's bounds `band` (Band(p, hv), built by the caller: per score, the
+    // compiler hoists what it can).
     __device__ __forceinline__ Acc operator()(const Params& p, const HeadView& hv, Acc raw, int i, int j,
                                               bool check_band, const Band& band) const {
         Acc s;

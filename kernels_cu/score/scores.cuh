@@ -10,8 +10,9 @@
 //
 // What a mainloop asks of it:
 //   tile predicates   live(i0, i1, j0, j1): some score of the tile survives block_mask and mask
-//                     (the tile is skipped otherwise); fast(keys, width, crosses): no score of a
-//                     whole tile inside the band needs more than the scale;
+//                     (the tile is skipped otherwise); plain: no option touches a score, so a
+//                     whole tile inside the band needs nothing but the scale (the mainloops'
+//                     fast tiles: plain, whole, crossing no band edge);
 //   forward transform masked_tile(s, ...): raw products -> log2-domain scores, -inf where any
 //                     mask says no, for a tile that is not fast;
 //   per-score form    operator()(raw, i, j, band): the same for one score (the backward's
@@ -63,12 +64,6 @@ struct Scores {
             while (j < hi && !tile_live(p, hv, i0, i1, j, min(j + BLOCK_N, hi))) j += BLOCK_N;
         }
         return j;
-    }
-
-    // A tile whose scores are S * scale * log2(e) with nothing selected: no option touches
-    // them, the tile is whole (`keys` of it valid, out of `width`) and crosses no band edge.
-    __device__ __forceinline__ bool fast(int keys, int width, bool crosses) const {
-        return plain && keys == width && !crosses;
     }
 
     // The log2-domain scores of a (16 MI, 8 NP) accumulator tile of raw products q.k, rows
