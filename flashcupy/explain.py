@@ -11,13 +11,13 @@ for, each kernel's registers and spills from ptxas.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import interop
+from .cuda import backward_launches, forward_launches, full_scores
 from .cuda import spec as S
 from .problem import ARRAY_OPTIONS, Problem, make_host_problem
 
@@ -32,6 +32,14 @@ def _stand_in(x: Any) -> Any:
         return x
     empty = x[tuple(slice(0, 0) for _ in x.shape)]  # a view of no element: its dtype as NumPy sees it
     return np.broadcast_to(np.zeros((), dtype=interop.to_numpy(empty).dtype), tuple(x.shape))
+
+
+def _option_stand_in(name: str, value: Any) -> Any:
+    """An option as validation needs it: the values of lengths and slopes on the host, masks
+    and bias as stand-ins."""
+    if name in _VALUE_OPTIONS:
+        return interop.to_numpy(value) if hasattr(value, "shape") else value
+    return _stand_in(value) if name in ARRAY_OPTIONS else value
 
 
 def parse_arch(arch: Any) -> int:
@@ -64,14 +72,15 @@ def _device(arch: int | None) -> tuple[int, int, str]:
 
 @dataclass
 class KernelLaunch:
-    """One launch: its role, the instantiation, threads, dynamic shared memory, grid, and
-    ptxas' registers and spill bytes where compiled."""
+    """One launch, as flashcupy.cuda makes it (its :class:`~flashcupy.cuda.Launch`'s fields:
+    ``KernelLaunch(*launch)``), and ptxas' registers and spill bytes where compiled."""
 
     role: str
+    family: str
     name: str
+    grid: tuple[int, int, int]
     threads: int
     smem_bytes: int
-    grid: tuple[int, int, int]
     registers: int | None = None
     spill_bytes: int | None = None
 
@@ -99,7 +108,7 @@ class Explanation:
                 lines.append(f"          not taken (rule '{rule}', {rejected.smem_bytes} bytes of shared memory): "
                              f"{_tiles(rejected)}")
             for launch in self.launches:
-                if launch.role.startswith(direction):
+                if launch.family == direction:
                     regs = "" if launch.registers is None else (
                         f", {launch.registers} registers, {launch.spill_bytes} bytes spilled")
                     lines.append(f"  {launch.role:20} {launch.name}")
@@ -123,33 +132,6 @@ def _tiles(spec: S.KernelSpec | S.BackwardSpec) -> str:
             f"{dq[spec.dq_accum]}, {'FullScores' if spec.full else 'PlainScores'}")
 
 
-def _grid(blocks: int, heads: int) -> tuple[int, int, int]:
-    grid_y = max(1, min(heads, 65535))
-    return blocks, grid_y, -(-heads // grid_y)
-
-
-def _launches(pb: Problem, fwd: S.KernelSpec, bwd: S.BackwardSpec | None) -> list[KernelLaunch]:
-    """The launches flashcupy.cuda.forward and backward make for this problem."""
-    batch = math.prod(pb.batch) if not pb.varlen else len(pb.cu_seqlens_q) - 1
-    heads, kv_heads = batch * pb.num_heads_q, batch * pb.num_heads_k
-    out = [KernelLaunch("forward", fwd.name_expression, fwd.threads, fwd.smem_bytes,
-                        _grid(-(-pb.seqlen_q // fwd.block_m) * -(-pb.head_dim_v // fwd.dv_tile), heads))]
-    if bwd is None:
-        return out
-    rows = _grid(-(-pb.seqlen_q // S.ROW_PASS_ROWS), heads)
-    (delta, _), (dkdv, dkdv_smem), (dq, dq_smem) = bwd.kernels
-    chunks = -(-max(pb.head_dim, pb.head_dim_v) // bwd.kv_chunk)
-    out.append(KernelLaunch("backward delta", delta, S.ROW_PASS_THREADS, 0, rows))
-    out.append(KernelLaunch("backward dK/dV", dkdv, bwd.threads, dkdv_smem,
-                            _grid(-(-pb.seqlen_k // bwd.block_r) * chunks, kv_heads)))
-    if bwd.fused_dq and bwd.dq_accum_scaled and pb.head_dim % 2 == 0:
-        return out  # the accumulator is dQ itself: no conversion pass
-    role = "backward dQ convert" if bwd.fused_dq else "backward dQ"
-    grid = rows if bwd.fused_dq else _grid(-(-pb.seqlen_q // bwd.block_r) * -(-pb.head_dim // bwd.dq_chunk), heads)
-    out.append(KernelLaunch(role, dq, S.ROW_PASS_THREADS if bwd.fused_dq else bwd.dq_threads, dq_smem, grid))
-    return out
-
-
 def _compile_registers(launches: list[KernelLaunch], arch: int) -> None:
     """Registers and spill bytes of each launch from ptxas' report (NVRTC, no GPU needed; one
     program per kernel, so each report has one entry)."""
@@ -158,7 +140,7 @@ def _compile_registers(launches: list[KernelLaunch], arch: int) -> None:
     from .cuda.compile import compile_for_arch
 
     for launch in launches:
-        log = compile_for_arch(launch.role.split()[0], [launch.name], arch).replace("\0", "")
+        log = compile_for_arch(launch.family, [launch.name], arch).replace("\0", "")
         regs = re.search(r"Used (\d+) registers", log)
         spill = re.search(r"(\d+) bytes spill stores", log)
         if regs and spill:
@@ -186,20 +168,15 @@ def explain(q: Any, k: Any, v: Any, *, arch: Any = None, backward: bool = True, 
     ptxas' register and spill figures. Returns an :class:`Explanation`; print it for a report.
     """
     cc, smem_limit, where = _device(None if arch is None else parse_arch(arch))
-    stand_ins = {name: (value if name in _VALUE_OPTIONS or name not in ARRAY_OPTIONS else _stand_in(value))
-                 for name, value in options.items()}
-    stand_ins = {name: (interop.to_numpy(value) if name in _VALUE_OPTIONS and hasattr(value, "shape") else value)
-                 for name, value in stand_ins.items()}
+    stand_ins = {name: _option_stand_in(name, value) for name, value in options.items()}
     pb = make_host_problem(_stand_in(q), _stand_in(k), _stand_in(v), {**stand_ins, "backend": "cpu"})
-    full = S.needs_full(pb.bias is not None, pb.mask is not None, pb.block_mask is not None,
-                        pb.alibi_slopes is not None, pb.softcap is not None, pb.dropout_p > 0)
-    dtype = np.dtype(pb.dtype).name
-    call = S.Call(dtype, S.head_dim_bucket(max(pb.head_dim, pb.head_dim_v)), cc, smem_limit, pb.allow_tf32,
-                  S.force_portable(), full, deterministic)
+    call = S.Call(np.dtype(pb.dtype).name, S.head_dim_bucket(max(pb.head_dim, pb.head_dim_v)), cc, smem_limit,
+                  pb.allow_tf32, S.force_portable(), full_scores(pb), deterministic)
     fwd = S.choose_forward(call)
     bwd = S.choose_backward(call) if backward else None
+    launches = forward_launches(pb, fwd.spec) + (backward_launches(pb, bwd.spec) if bwd else [])
     result = Explanation(_describe_call(pb, options, deterministic), where, cc, fwd, bwd,
-                         _launches(pb, fwd.spec, bwd.spec if bwd else None))
+                         [KernelLaunch(*launch) for launch in launches])
     if S.force_portable():
         result.note = f"note: {S.FORCE_PORTABLE_ENV}=1 forces the portable (SIMT) kernels"
     if registers:

@@ -11,15 +11,18 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
-from .compile import forward_function, get_function
-from .spec import ROW_PASS_ROWS, ROW_PASS_THREADS, backward_key_block_major, needs_full, select_backward, select_forward
+from .compile import get_function
+from .spec import (
+    ROW_PASS_ROWS, ROW_PASS_THREADS, BackwardSpec, KernelSpec, backward_key_block_major, needs_full, select_backward,
+    select_forward,
+)
 
 #: Fill outputs with NaN before each launch (tests set it) so unwritten elements show.
 poison_outputs = False
@@ -105,6 +108,64 @@ def _grid(blocks: int, heads: int) -> tuple[int, int, int]:
     return blocks, grid_y, -(-heads // grid_y)
 
 
+class Launch(NamedTuple):
+    """One kernel launch of a call: what it does (``role``), its source family and name
+    expression, grid, threads per block and dynamic shared memory."""
+
+    role: str
+    family: str
+    name: str
+    grid: tuple[int, int, int]
+    threads: int
+    smem_bytes: int
+
+
+def forward_launches(pb: Problem, spec: KernelSpec) -> list[Launch]:
+    """The forward's launch for a problem (none when it has no row or head): row blocks
+    fastest in grid x, then Dv chunks; (batch, head) pairs over y and z."""
+    heads = math.prod(pb.batch) * pb.num_heads_q
+    blocks = -(-pb.seqlen_q // spec.block_m) * -(-pb.head_dim_v // spec.dv_tile)
+    if not (heads and blocks):
+        return []
+    return [Launch("forward", "forward", spec.name_expression, _grid(blocks, heads), spec.threads, spec.smem_bytes)]
+
+
+def dq_is_accumulator(pb: Problem, spec: BackwardSpec) -> bool:
+    """Whether the fused dQ's accumulator is dQ itself (its dtype, an even head dim and a spec
+    whose accumulator holds dQ, not dQ / scale): then no conversion pass runs."""
+    return spec.fused_dq and spec.dq_accum_scaled and pb.head_dim % 2 == 0
+
+
+def backward_launches(pb: Problem, spec: BackwardSpec) -> list[Launch]:
+    """The backward's launches for a problem, in order: D = rowsum(dO * O) (row blocks of
+    ROW_PASS_ROWS), the dK/dV kernel (key blocks, then gradient chunks, per (batch, key
+    head)), and dQ (the converter over the row blocks, or the query-major kernel), each left
+    out where it has nothing to do."""
+    batch = math.prod(pb.batch)
+    heads, kv_heads = batch * pb.num_heads_q, batch * pb.num_heads_k
+    rows = _grid(-(-pb.seqlen_q // ROW_PASS_ROWS), heads)
+    (delta_name, _), (dkdv_name, dkdv_smem), (dq_name, dq_smem) = spec.kernels
+    out = []
+    if heads and pb.seqlen_q:
+        out.append(Launch("backward delta", "backward", delta_name, rows, ROW_PASS_THREADS, 0))
+    if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros
+        chunks = -(-max(pb.head_dim, pb.head_dim_v) // spec.kv_chunk)
+        out.append(Launch("backward dK/dV", "backward", dkdv_name, _grid(-(-pb.seqlen_k // spec.block_r) * chunks,
+                                                                        kv_heads), spec.threads, dkdv_smem))
+    if heads and pb.seqlen_q and not dq_is_accumulator(pb, spec):
+        if spec.fused_dq:
+            out.append(Launch("backward dQ convert", "backward", dq_name, rows, ROW_PASS_THREADS, dq_smem))
+        else:
+            grid = _grid(-(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.dq_chunk), heads)
+            out.append(Launch("backward dQ", "backward", dq_name, grid, spec.dq_threads, dq_smem))
+    return out
+
+
+def _run(launch: Launch, device_id: int, params) -> None:
+    get_function(launch.family, launch.name, device_id, launch.smem_bytes)(
+        launch.grid, (launch.threads,), (params,), shared_mem=launch.smem_bytes)
+
+
 def _problem_params(pb: Problem, q, k, v, out, lse, xp) -> tuple[np.void, list]:
     """The Params block of a problem whose operands (from :func:`_rows`) and output (merged)
     are given, and the device arrays it points into that must outlive the launch."""
@@ -157,7 +218,8 @@ def _operands(pb: Problem, xp):
     return tuple(_rows(pb, x, xp) for x in (pb.q, pb.k, pb.v))
 
 
-def _needs_full(pb: Problem) -> bool:
+def full_scores(pb: Problem) -> bool:
+    """Whether a problem needs the FullScores kernels (an option beyond causal, window, lengths)."""
     return needs_full(pb.bias is not None, pb.mask is not None, pb.block_mask is not None,
                       pb.alibi_slopes is not None, pb.softcap is not None, pb.dropout_p > 0)
 
@@ -223,7 +285,7 @@ def forward(pb: Problem) -> tuple[Any, Any]:
     with xp.cuda.Device(device_id):
         arch, smem_limit = device_limits(device_id)
         spec = select_forward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
-                              full=_needs_full(pb))
+                              full=full_scores(pb))
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
         operands = (pb.q, pb.k, pb.v)
@@ -237,12 +299,8 @@ def forward(pb: Problem) -> tuple[Any, Any]:
             params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp)
             if key is not None and _same_memory((q, k, v), operands):
                 _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS))
-        heads = math.prod(pb.batch) * pb.num_heads_q
-        m_blocks = -(-pb.seqlen_q // spec.block_m)
-        chunks = -(-pb.head_dim_v // spec.dv_tile)
-        if heads and m_blocks:
-            forward_function(spec, device_id)(_grid(m_blocks * chunks, heads), (spec.threads,), (params,),
-                                              shared_mem=spec.smem_bytes)
+        for launch in forward_launches(pb, spec):
+            _run(launch, device_id, params)
         del keep_alive  # safe: memory CuPy frees now is reused only by work queued after this launch
     return out, lse
 
@@ -279,7 +337,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
     with xp.cuda.Device(device_id):
         arch, smem_limit = device_limits(device_id)
         spec = select_backward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
-                               deterministic=deterministic, full=_needs_full(pb))
+                               deterministic=deterministic, full=full_scores(pb))
         acc = accumulator_dtype(pb.dtype)
         lse = xp.ascontiguousarray(lse, dtype=acc)
         delta, lse2 = xp.empty(pb.lse_shape, dtype=acc), xp.empty(pb.lse_shape, dtype=acc)
@@ -290,8 +348,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         # The fused dQ's accumulator (flash_bwd.cu, kDqAccumScaled): atomics add column pairs
         # into (..., rows, D rounded up to even), zeroed by flash_bwd_delta. With dQ's own
         # dtype, an even D and spec.dq_accum_scaled that is dQ itself, and no conversion pass runs.
-        dq_is_accum = spec.fused_dq and spec.dq_accum_scaled and pb.head_dim % 2 == 0
-        if dq_is_accum:
+        if dq_is_accumulator(pb, spec):
             grads["dqa"] = dq
         elif spec.fused_dq:
             grads["dqa"] = _empty(pb.q.shape[:-1] + (-(-pb.head_dim // 2) * 2,), acc, xp)
@@ -323,22 +380,8 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             )
             if key is not None and _same_memory((q, k, v, dout, out), operands):
                 _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS))
-        batch = math.prod(pb.batch)
-        heads, kv_heads = batch * pb.num_heads_q, batch * pb.num_heads_k
-        row_grid = _grid(-(-pb.seqlen_q // ROW_PASS_ROWS), heads)  # flash_bwd_delta and the dQ converter
-        (delta_name, _), (dkdv_name, dkdv_smem), (dq_name, dq_smem) = spec.kernels
-        if heads and pb.seqlen_q:
-            get_function("backward", delta_name, device_id)(row_grid, (ROW_PASS_THREADS,), (bparams,))
-        if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros
-            chunks = -(-max(pb.head_dim, pb.head_dim_v) // spec.kv_chunk)
-            get_function("backward", dkdv_name, device_id, dkdv_smem)(
-                _grid(-(-pb.seqlen_k // spec.block_r) * chunks, kv_heads), (spec.threads,), (bparams,),
-                shared_mem=dkdv_smem)
-        if heads and pb.seqlen_q and not dq_is_accum:
-            dq_grid = row_grid if spec.fused_dq else _grid(
-                -(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.dq_chunk), heads)
-            get_function("backward", dq_name, device_id, dq_smem)(
-                dq_grid, (ROW_PASS_THREADS,) if spec.fused_dq else (spec.dq_threads,), (bparams,), shared_mem=dq_smem)
+        for launch in backward_launches(pb, spec):
+            _run(launch, device_id, bparams)
         dbias = finish_dbias() if finish_dbias is not None else None
         del keep_alive
     return dq, dk, dv, dbias

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .params import BWD_PARAMS_DTYPE, PARAMS_DTYPE
-from .spec import KernelSpec, arch_flag
+from .spec import arch_flag
 
 _SOURCES = {"forward": "flash_fwd.cu", "backward": "flash_bwd.cu", "philox_test": "philox_test.cu"}
 
@@ -260,10 +260,6 @@ def get_function(family: str, name: str, device_id: int, smem_bytes: int = 0):
                     fn.max_dynamic_shared_size_bytes = smem_bytes
             _functions[key] = fn
     return fn
-
-
-def forward_function(spec: KernelSpec, device_id: int):
-    return get_function("forward", spec.name_expression, device_id, spec.smem_bytes)
 
 
 def precompile(kernels: Iterable[tuple[str, str, int]], device_id: int, workers: int = 8) -> None:
