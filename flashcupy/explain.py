@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import interop
-from .cuda import backward_launches, forward_launches, full_scores
+from .cuda import Launch, backward_launches, forward_launches, full_scores
 from .cuda import spec as S
 from .problem import ARRAY_OPTIONS, Problem, make_host_problem
 
@@ -72,17 +72,18 @@ def _device(arch: int | None) -> tuple[int, int, str]:
 
 @dataclass
 class KernelLaunch:
-    """One launch, as flashcupy.cuda makes it (its :class:`~flashcupy.cuda.Launch`'s fields:
-    ``KernelLaunch(*launch)``), and ptxas' registers and spill bytes where compiled."""
+    """One launch as flashcupy.cuda makes it (its :class:`~flashcupy.cuda.Launch`'s role,
+    family, name, grid, threads and smem_bytes read through), and ptxas' registers and spill
+    bytes where compiled."""
 
-    role: str
-    family: str
-    name: str
-    grid: tuple[int, int, int]
-    threads: int
-    smem_bytes: int
+    launch: Launch
     registers: int | None = None
     spill_bytes: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "launch":  # not set yet (copy, pickle): no recursion through it
+            raise AttributeError(name)
+        return getattr(self.launch, name)
 
 
 @dataclass
@@ -176,7 +177,7 @@ def explain(q: Any, k: Any, v: Any, *, arch: Any = None, backward: bool = True, 
     bwd = S.choose_backward(call) if backward else None
     launches = forward_launches(pb, fwd.spec) + (backward_launches(pb, bwd.spec) if bwd else [])
     result = Explanation(_describe_call(pb, options, deterministic), where, cc, fwd, bwd,
-                         [KernelLaunch(*launch) for launch in launches])
+                         [KernelLaunch(launch) for launch in launches])
     if S.force_portable():
         result.note = f"note: {S.FORCE_PORTABLE_ENV}=1 forces the portable (SIMT) kernels"
     if registers:
