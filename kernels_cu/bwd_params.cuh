@@ -28,6 +28,8 @@ struct BwdParams {
     i64 dqa_sb, dqa_sh, dqa_sr;
     i32 d_true;                // q's (and dq's) head dim: the columns dq and dk have
     i32 key_block_major;       // flash_bwd_dkdv's block order: 1 key block by key block over the heads, 0 head by head
+    i32 key_blocks;            // flash_bwd_dkdv's key blocks per gradient chunk, and flash_bwd_dq's row
+    i32 dq_row_blocks;         // blocks per dQ chunk (flashcupy/cuda decides them with the launches)
 };
 
 #ifdef FLASH_BWD_PARAMS_SIZE

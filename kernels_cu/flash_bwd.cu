@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
     T* sV = storage.v;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int m_blocks = (p.lq + BLOCK_R - 1) / BLOCK_R;
+    const int m_blocks = bp.dq_row_blocks;
     const int chunk = blockIdx.x / m_blocks;
     const int i0 = (blockIdx.x - chunk * m_blocks) * BLOCK_R;
     const int c0 = chunk * CH;

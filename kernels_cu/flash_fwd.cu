@@ -37,11 +37,11 @@ __global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     // Grid: x = (Dv chunk, row block) with row blocks fastest, so consecutive blocks share
     // K and V in L2; batch x heads is split over y and z (gridDim.y is at most 65535).
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int m_blocks = (p.lq + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = p.row_blocks;
     const int chunk = blockIdx.x / m_blocks;
     // Last row blocks first: under causal masking they attend the most keys, so the
     // longest blocks start earliest and the tail of the launch is short.
-    const int i0 = (m_blocks - 1 - (blockIdx.x - chunk * m_blocks)) * BLOCK_M;
+    const int i0 = (m_blocks - 1 - blockIdx.x % m_blocks) * BLOCK_M;
     const int dv0 = chunk * DV;  // first output column of this block
     const int bh = blockIdx.y + gridDim.y * blockIdx.z;
     if (bh >= p.batch * p.hq) return;

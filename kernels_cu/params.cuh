@@ -60,6 +60,8 @@ struct Params {
     u32 dropout_offset;
     i32 has_softcap;
     i32 dv_stored;         // v's last-axis length in memory (dv padded to 16 bytes)
+    i32 row_blocks;        // the forward's row blocks per Dv chunk: grid x = row_blocks x chunks, rows
+                           // fastest (flashcupy/cuda decides it with the launch; the kernel reads it)
 };
 
 #ifdef FLASH_PARAMS_SIZE

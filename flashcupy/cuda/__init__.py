@@ -120,11 +120,17 @@ class Launch(NamedTuple):
     smem_bytes: int
 
 
+def forward_row_blocks(pb: Problem, spec: KernelSpec) -> int:
+    """The forward's row blocks per Dv chunk: grid x is row blocks (fastest) x chunks, and the
+    kernel reads this count from Params.row_blocks."""
+    return -(-pb.seqlen_q // spec.block_m)
+
+
 def forward_launches(pb: Problem, spec: KernelSpec) -> list[Launch]:
     """The forward's launch for a problem (none when it has no row or head): row blocks
     fastest in grid x, then Dv chunks; (batch, head) pairs over y and z."""
     heads = math.prod(pb.batch) * pb.num_heads_q
-    blocks = -(-pb.seqlen_q // spec.block_m) * -(-pb.head_dim_v // spec.dv_tile)
+    blocks = forward_row_blocks(pb, spec) * -(-pb.head_dim_v // spec.dv_tile)
     if not (heads and blocks):
         return []
     return [Launch("forward", "forward", spec.name_expression, _grid(blocks, heads), spec.threads, spec.smem_bytes)]
@@ -136,6 +142,12 @@ def dq_is_accumulator(pb: Problem, spec: BackwardSpec) -> bool:
     return spec.fused_dq and spec.dq_accum_scaled and pb.head_dim % 2 == 0
 
 
+def backward_blocks(pb: Problem, spec: BackwardSpec) -> tuple[int, int]:
+    """(key blocks per dK/dV chunk, row blocks per dQ chunk): each kernel's grid x is its
+    blocks (fastest) x chunks, and the kernels read these counts from BwdParams."""
+    return -(-pb.seqlen_k // spec.block_r), -(-pb.seqlen_q // spec.block_r)
+
+
 def backward_launches(pb: Problem, spec: BackwardSpec) -> list[Launch]:
     """The backward's launches for a problem, in order: D = rowsum(dO * O) (row blocks of
     ROW_PASS_ROWS), the dK/dV kernel (key blocks, then gradient chunks, per (batch, key
@@ -144,19 +156,20 @@ def backward_launches(pb: Problem, spec: BackwardSpec) -> list[Launch]:
     batch = math.prod(pb.batch)
     heads, kv_heads = batch * pb.num_heads_q, batch * pb.num_heads_k
     rows = _grid(-(-pb.seqlen_q // ROW_PASS_ROWS), heads)
+    key_blocks, dq_row_blocks = backward_blocks(pb, spec)
     (delta_name, _), (dkdv_name, dkdv_smem), (dq_name, dq_smem) = spec.kernels
     out = []
     if heads and pb.seqlen_q:
         out.append(Launch("backward delta", "backward", delta_name, rows, ROW_PASS_THREADS, 0))
     if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros
         chunks = -(-max(pb.head_dim, pb.head_dim_v) // spec.kv_chunk)
-        out.append(Launch("backward dK/dV", "backward", dkdv_name, _grid(-(-pb.seqlen_k // spec.block_r) * chunks,
+        out.append(Launch("backward dK/dV", "backward", dkdv_name, _grid(key_blocks * chunks,
                                                                         kv_heads), spec.threads, dkdv_smem))
     if heads and pb.seqlen_q and not dq_is_accumulator(pb, spec):
         if spec.fused_dq:
             out.append(Launch("backward dQ convert", "backward", dq_name, rows, ROW_PASS_THREADS, dq_smem))
         else:
-            grid = _grid(-(-pb.seqlen_q // spec.block_r) * -(-pb.head_dim // spec.dq_chunk), heads)
+            grid = _grid(dq_row_blocks * -(-pb.head_dim // spec.dq_chunk), heads)
             out.append(Launch("backward dQ", "backward", dq_name, grid, spec.dq_threads, dq_smem))
     return out
 
@@ -166,9 +179,10 @@ def _run(launch: Launch, device_id: int, params) -> None:
         launch.grid, (launch.threads,), (params,), shared_mem=launch.smem_bytes)
 
 
-def _problem_params(pb: Problem, q, k, v, out, lse, xp) -> tuple[np.void, list]:
+def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0) -> tuple[np.void, list]:
     """The Params block of a problem whose operands (from :func:`_rows`) and output (merged)
-    are given, and the device arrays it points into that must outlive the launch."""
+    are given, and the device arrays it points into that must outlive the launch;
+    ``row_blocks``: the forward's (:func:`forward_row_blocks`), 0 for the backward."""
     fields: dict[str, Any] = _rows_fields(pb, {"q": q, "k": k, "v": v, "o": out})
     keep_alive = []  # device copies the launch reads; CuPy reuses freed memory only for later work
     if pb.varlen:
@@ -204,7 +218,7 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp) -> tuple[np.void, list]:
         d=q.shape[-1], dv=pb.head_dim_v, dv_stored=v.shape[-1], causal=P.CAUSAL_CODE[pb.causal],
         window_left=-1 if left is None else min(left, 2**31 - 1),
         window_right=-1 if right is None else min(right, 2**31 - 1),
-        block_size=pb.block_size or 1, seed=pb.seed or 0, scale=pb.scale,
+        block_size=pb.block_size or 1, seed=pb.seed or 0, scale=pb.scale, row_blocks=row_blocks,
         softcap=pb.softcap or 0.0, has_softcap=int(pb.softcap is not None),
         dropout_threshold=rng.dropout_threshold(pb.dropout_p) if pb.dropout_p > 0 else 0,
         dropout_offset=pb.dropout_offset, dropout_scale=1.0 / (1.0 - pb.dropout_p),
@@ -289,14 +303,15 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
         operands = (pb.q, pb.k, pb.v)
-        key = _layout_key(pb, device_id, operands)
+        key = _layout_key(pb, device_id, operands, spec)
         template = _FORWARD_TEMPLATES.get(key)
         q_ptr, k_ptr, v_ptr = (x.data.ptr for x in operands)
         if template is not None and not (q_ptr | k_ptr | v_ptr) % 16:
             params, keep_alive = template.fill(q_ptr, k_ptr, v_ptr, out.data.ptr, lse.data.ptr), []
         else:
             q, k, v = _operands(pb, xp)
-            params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp)
+            params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp,
+                                                 row_blocks=forward_row_blocks(pb, spec))
             if key is not None and _same_memory((q, k, v), operands):
                 _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS))
         for launch in forward_launches(pb, spec):
@@ -376,6 +391,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
                 P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr,
                 lse2=lse2.data.ptr, dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim,
                 key_block_major=int(backward_key_block_major(spec, pb.causal is not None)), dq_accum=dq_accum,
+                **dict(zip(("key_blocks", "dq_row_blocks"), backward_blocks(pb, spec))),
                 **fields,
             )
             if key is not None and _same_memory((q, k, v, dout, out), operands):

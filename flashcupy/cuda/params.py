@@ -25,7 +25,7 @@ _STRIDES = ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_s
 _INT32 = ("batch", "hq", "hk", "lq", "lk", "d", "dv", "causal", "window_left", "window_right", "block_size",
           "bias_dtype")
 _UINT32 = ("dropout_threshold", "dropout_offset")
-_TAIL = ("has_softcap", "dv_stored")
+_TAIL = ("has_softcap", "dv_stored", "row_blocks")
 
 PARAMS_DTYPE = np.dtype(
     [(n, np.uint64) for n in _POINTERS]
@@ -44,7 +44,7 @@ BWD_PARAMS_DTYPE = np.dtype(
     + [(n, np.int64) for n in ("do_sb", "do_sh", "do_sr", "out_sb", "out_sh", "out_sr", "dq_sb", "dq_sh", "dq_sr",
                                "dk_sb", "dk_sh", "dk_sr", "dv_sb", "dv_sh", "dv_sr", "db_sb", "db_sh", "db_si",
                                "db_sj", "dqa_sb", "dqa_sh", "dqa_sr")]
-    + [("d_true", np.int32), ("key_block_major", np.int32)],
+    + [(n, np.int32) for n in ("d_true", "key_block_major", "key_blocks", "dq_row_blocks")],
     align=True,
 )
 

@@ -186,7 +186,7 @@ struct BwdKeyBlock {
     // bench/NOTES.md, 'Backward: block order').
     template <int CH>
     __device__ __forceinline__ bool locate() {
-        const int n_blocks = (p.lk + BLOCK_R - 1) / BLOCK_R;
+        const int n_blocks = bp.key_blocks;
         const int heads = p.batch * p.hk, grid_head = blockIdx.y + gridDim.y * blockIdx.z;
         if (grid_head >= heads) return false;  // beyond the last head (heads split over y and z)
         const i64 linear = blockIdx.x + i64(gridDim.x) * grid_head;
