@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
                 const Acc pe = softmax_exp2(sc - lse2[x]);                          // P = exp(S - lse)
                 const Acc z = p.dropout_threshold != 0 ? ((keep >> e) & 1u ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = pe * (dp[0][n][e] * z - delta[x]);                          // dS = P (dP z - D)
-                score.chain_softcap(ds, raw);
+                score.derivative(bp, ds, raw, i, j, false);  // softcap's chain rule (dK/dV adds dbias)
                 s[0][n][e] = ds;
             }
         }

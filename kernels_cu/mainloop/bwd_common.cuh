@@ -32,10 +32,6 @@ template <typename Acc> __device__ __forceinline__ Acc lse_log2(Acc lse) {
     return lse == neg_inf<Acc>() ? Acc(0) : lse * static_cast<Acc>(kLog2e);
 }
 
-template <typename Acc> __device__ __forceinline__ void acc_atomic_add(Acc* address, Acc value) {
-    atomicAdd(address, value);
-}
-
 // address[0] += a, address[1] += b (address 8-byte aligned for float): one vector
 // reduction on sm_90, which fills the 32-byte sectors the scalar pair would half-use.
 __device__ __forceinline__ void acc_atomic_add2(float* address, float a, float b) {
@@ -358,8 +354,8 @@ struct BwdElements {
 
 // The element pass of FullScores' tiles, one pass and one copy (a second spills beside the
 // full pipeline): P'^T = P^T z into s_t and dS^T into dp_t, with z = keep / (1 - p) of
-// dropout (dropout_scale = 1 / (1 - p)), dS taken through softcap's derivative, and dbias += dS (before softcap's chain
-// rule, chunk 0 only). FAST: P = exp2(S * scale * log2(e) - lse2), nothing selected.
+// dropout (dropout_scale = 1 / (1 - p)), and dS through the modifiers' derivative (dbias += dS,
+// added by the block's first gradient chunk alone; softcap's chain rule). FAST: P = exp2(S * scale * log2(e) - lse2), nothing selected.
 // Otherwise masked scores and padding get P = 0 and dS = 0 by selection, whatever P and
 // dP - D hold there (0 * an overflowed dP would be NaN).
 template <typename Acc, int MI, int NT, int BLOCK_R, int BLOCK_C>
@@ -384,14 +380,7 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
         Acc z = Acc(1);
         if (p.dropout_threshold != 0) z = score.keep(i, j) ? dropout_scale : Acc(0);
         Acc ds = pe * (dp * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
-        if (!fast) {
-            if (bp.dbias != nullptr && blk.chunk == 0 && ds != Acc(0)) {
-                acc_atomic_add(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh + i * bp.db_si
-                                   + j * bp.db_sj,
-                               ds);
-            }
-            score.chain_softcap(ds, raw);
-        }
+        if (!fast) score.derivative(bp, ds, raw, i, j, blk.chunk == 0);  // dbias += dS; softcap's chain rule
         s = pe * z;  // P' = P z
         dp = live ? ds : Acc(0);
     }, dp_t);

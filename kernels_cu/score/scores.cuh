@@ -17,12 +17,13 @@
 //                     mask says no, for a tile that is not fast;
 //   per-score form    operator()(raw, i, j, band): the same for one score (the backward's
 //                     element pass);
-//   derivative        chain_softcap(ds, raw): dS through softcap's d(c tanh(x / c)) / dx;
+//   derivative        derivative(bp, ds, raw, i, j, owner): the bias gradient's accumulation
+//                     (dbias += dS) and dS through softcap's d(c tanh(x / c)) / dx;
 //   dropout on P      keep4(i, j): the keep bits of a thread's four elements of an
 //                     accumulator tile, keep(i, j) of one score.
-// The bias gradient is the backward's (it accumulates dS, not a modified score).
 #pragma once
 
+#include "../bwd_params.cuh"
 #include "../philox.cuh"
 #include "modifiers.cuh"
 
@@ -90,8 +91,18 @@ struct Scores {
         return op(p, hv, raw, i, j, true, band);
     }
 
-    // ds *= d(c tanh(x / c)) / dx = 1 - tanh^2 at the scaled score of raw, with softcap.
-    __device__ __forceinline__ void chain_softcap(Acc& ds, Acc raw) const {
+    // The backward through the modifiers at score (i, j) of this head, raw = q.k, ds = dL/dS
+    // of the modified score: the bias enters after softcap, so dbias[i, j] += dS as it is
+    // (where a bias gradient is asked for and `owner`: the caller is the one block that adds
+    // this score's share), then ds *= d(c tanh(x / c)) / dx = 1 - tanh^2 at the scaled
+    // score, with softcap. dbias is in the accumulator dtype, strided by bp.db_* (0 on the
+    // bias' broadcast axes, so their scores add into one element).
+    __device__ __forceinline__ void derivative(const BwdParams& bp, Acc& ds, Acc raw, int i, int j,
+                                               bool owner) const {
+        if (bp.dbias != nullptr && owner && ds != Acc(0)) {
+            atomicAdd(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh + i * bp.db_si + j * bp.db_sj,
+                      ds);
+        }
         if (p.has_softcap) {
             const Acc th = tanh_acc(raw * op.scale * op.inv_softcap);
             ds *= Acc(1) - th * th;
