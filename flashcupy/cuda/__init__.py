@@ -246,22 +246,23 @@ _BACKWARD_POINTERS = ("f.q", "f.k", "f.v", "f.o", "f.lse", "dout", "out", "delta
 
 
 class _Templates:
-    """Parameter blocks of earlier launches by :func:`_layout_key`, as templates whose
-    pointers each launch fills in; beyond ``size`` entries the oldest goes."""
+    """Earlier calls by :func:`_layout_key`: each call's parameter block as a template whose
+    pointers each later call fills in, and its launches (the key holds everything they
+    depend on); beyond ``size`` entries the oldest goes."""
 
     def __init__(self, size: int = 256) -> None:
         self._size = size
-        self._entries: dict[tuple, P.Template] = {}
+        self._entries: dict[tuple, tuple[P.Template, list[Launch]]] = {}
         self._lock = threading.Lock()  # writers only: a lookup is one atomic dict.get
 
-    def get(self, key: tuple | None) -> P.Template | None:
+    def get(self, key: tuple | None) -> tuple[P.Template, list[Launch]] | None:
         return None if key is None else self._entries.get(key)
 
-    def put(self, key: tuple, template: P.Template) -> None:
+    def put(self, key: tuple, template: P.Template, launches: list[Launch]) -> None:
         with self._lock:
             if len(self._entries) >= self._size:
                 del self._entries[next(iter(self._entries))]
-            self._entries[key] = template
+            self._entries[key] = (template, launches)
 
 
 _FORWARD_TEMPLATES = _Templates()
@@ -304,17 +305,19 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
         operands = (pb.q, pb.k, pb.v)
         key = _layout_key(pb, device_id, operands, spec)
-        template = _FORWARD_TEMPLATES.get(key)
+        cached = _FORWARD_TEMPLATES.get(key)
         q_ptr, k_ptr, v_ptr = (x.data.ptr for x in operands)
-        if template is not None and not (q_ptr | k_ptr | v_ptr) % 16:
+        if cached is not None and not (q_ptr | k_ptr | v_ptr) % 16:
+            template, launches = cached
             params, keep_alive = template.fill(q_ptr, k_ptr, v_ptr, out.data.ptr, lse.data.ptr), []
         else:
             q, k, v = _operands(pb, xp)
             params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp,
                                                  row_blocks=forward_row_blocks(pb, spec))
+            launches = forward_launches(pb, spec)
             if key is not None and _same_memory((q, k, v), operands):
-                _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS))
-        for launch in forward_launches(pb, spec):
+                _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS), launches)
+        for launch in launches:
             _run(launch, device_id, params)
         del keep_alive  # safe: memory CuPy frees now is reused only by work queued after this launch
     return out, lse
@@ -370,10 +373,11 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         dq_accum = grads["dqa"].data.ptr if spec.fused_dq else 0
         operands = (pb.q, pb.k, pb.v, dout, out)
         key = _layout_key(pb, device_id, operands, spec)
-        template = _BACKWARD_TEMPLATES.get(key)
+        cached = _BACKWARD_TEMPLATES.get(key)
         q_ptr, k_ptr, v_ptr, dout_ptr, out_ptr = (x.data.ptr for x in operands)
         finish_dbias = None
-        if template is not None and not (q_ptr | k_ptr | v_ptr | dout_ptr | out_ptr) % 16:
+        if cached is not None and not (q_ptr | k_ptr | v_ptr | dout_ptr | out_ptr) % 16:
+            template, launches = cached
             bparams = template.fill(q_ptr, k_ptr, v_ptr, out_ptr, lse.data.ptr, dout_ptr, out_ptr, delta.data.ptr,
                                     lse2.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum)
             keep_alive = []
@@ -394,9 +398,10 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
                 **dict(zip(("key_blocks", "dq_row_blocks"), backward_blocks(pb, spec))),
                 **fields,
             )
+            launches = backward_launches(pb, spec)
             if key is not None and _same_memory((q, k, v, dout, out), operands):
-                _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS))
-        for launch in backward_launches(pb, spec):
+                _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS), launches)
+        for launch in launches:
             _run(launch, device_id, bparams)
         dbias = finish_dbias() if finish_dbias is not None else None
         del keep_alive
