@@ -99,7 +99,7 @@ struct Scores {
     // bias' broadcast axes, so their scores add into one element).
     __device__ __forceinline__ void derivative(const BwdParams& bp, Acc& ds, Acc raw, int i, int j,
                                                bool owner) const {
-        if (bp.dbias != nullptr && owner && ds != Acc(0)) {
+        if (owner && bp.dbias != nullptr && ds != Acc(0)) {
             atomicAdd(static_cast<Acc*>(bp.dbias) + hv.b * bp.db_sb + hv.h * bp.db_sh + i * bp.db_si + j * bp.db_sj,
                       ds);
         }
