@@ -449,7 +449,7 @@ def _check_case(label: str, dtype: np.dtype, shape_q: tuple, shape_kv: tuple, dv
 
 
 def check_cases() -> list[dict[str, Any]]:
-    """The self-test: every dtype plain, then causal, mask, bias, dropout, GQA and varlen."""
+    """The self-test: every dtype plain, then causal, mask, bias, dropout, GQA, sinks and varlen."""
     f16, bf16, f32, f64 = (DTYPES[n] for n in ("float16", "bfloat16", "float32", "float64"))
     cu_q = np.array([0, 23, 23, 80], np.int32)  # three sequences, one of them empty
     cu_k = np.array([0, 31, 40, 96], np.int32)
@@ -467,6 +467,8 @@ def check_cases() -> list[dict[str, Any]]:
         _check_case("bfloat16 dropout, causal", bf16, (1, 2, 64, 64), (1, 2, 64, 64), dropout_p=0.3, seed=99,
                     causal=True),
         _check_case("float16 GQA 4:2", f16, (2, 4, 37, 64), (2, 2, 45, 64)),
+        _check_case("bfloat16 sinks (with dsinks), causal, lengths", bf16, (2, 2, 40, 64), (2, 2, 40, 64), causal=True,
+                    sinks=np.array([[0.5, -1.0]]), q_lengths=np.array([40, 17])),
         _check_case("float64 GQA 4:1 (MQA), causal, dropout", f64, (1, 4, 30, 64), (1, 1, 30, 64), causal=True,
                     dropout_p=0.1, seed=5),
         _check_case("float32 varlen, causal", f32, (2, 80, 64), (2, 96, 64), causal=True,
@@ -489,7 +491,9 @@ def run_check_case(case: dict[str, Any], backend: str) -> list[tuple[str, float,
                                                **options)
     ref, naive = testing.reference_results(q, k, v, options, dout)
     terms = testing.cancelling_terms(q, k, dout, ref["out"], options.get("scale"))
-    ours = dict(zip(("out", "lse", "dq", "dk", "dv", "dbias"), (out, lse) + tuple(grads)))
+    names = ("out", "lse", "dq", "dk", "dv") + (("dbias",) if bias_grad else ()) + (
+        ("dsinks",) if options.get("sinks") is not None else ())
+    ours = dict(zip(names, (out, lse) + tuple(grads), strict=True))
     results = []
     for name, x in ours.items():
         rule_dtype = testing.floor_dtype(dtype, options["bias"].dtype) if name == "dbias" else dtype

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import cpu, cuda, interop, rng
+from . import cpu, cuda, interop, rng, sinks
 from .cuda.spec import NoKernelError
 from .problem import (
     BACKENDS, OPTION_DEFAULTS, Problem, check_device_backward_arrays, check_dropout, check_host_backward_arrays,
@@ -67,10 +67,12 @@ def _squeeze(pb: Problem, x):
 
 
 def _run_forward(pb: Problem, backend: str):
-    """(out, lse) in the problem's internal layout, from the backend that holds its arrays."""
-    if backend == "cuda":
-        return cuda.forward(pb)
-    return cpu.forward(pb)
+    """(out, lse) in the problem's internal layout, from the backend that holds its arrays,
+    with the sinks folded in (flashcupy/sinks.py: the kernels run as without them)."""
+    out, lse = cuda.forward(pb) if backend == "cuda" else cpu.forward(pb)
+    if pb.sinks is not None:
+        lse = sinks.apply(pb, out, lse, interop.array_module(out))
+    return out, lse
 
 
 def _forward(q: Any, k: Any, v: Any, options: dict[str, Any]):
@@ -80,15 +82,19 @@ def _forward(q: Any, k: Any, v: Any, options: dict[str, Any]):
 
 
 def _run_backward(pb: Problem, backend: str, dout: Any, out: Any, lse: Any, bias_grad: bool, deterministic: bool):
-    """(dq, dk, dv, dbias) in the problem's internal layout from the backend that holds its arrays.
+    """(dq, dk, dv, dbias, dsinks) in the problem's internal layout from the backend that holds
+    its arrays; dbias None unless ``bias_grad``, dsinks (the sinks' shape) None without sinks.
 
     dout, out, lse are validated here (as the caller's arrays, in the caller's layout).
     """
     if backend == "cuda":
         dout, out, lse = check_device_backward_arrays(pb, dout, out, lse)
-        return cuda.backward(pb, dout, out, lse, bias_grad, deterministic)
-    dout, out, lse = check_host_backward_arrays(pb, dout, out, lse)
-    return cpu.backward(pb, dout, out, lse, bias_grad)
+        grads = cuda.backward(pb, dout, out, lse, bias_grad, deterministic)
+    else:
+        dout, out, lse = check_host_backward_arrays(pb, dout, out, lse)
+        grads = cpu.backward(pb, dout, out, lse, bias_grad)
+    dsinks = None if pb.sinks is None else sinks.grad(pb, dout, out, lse, interop.array_module(out))
+    return (*grads, dsinks)
 
 
 def _with_seed(options: dict[str, Any], required: bool = False) -> dict[str, Any]:
@@ -117,6 +123,7 @@ def flash_attention(
     mask: Any = None,
     bias: Any = None,
     alibi_slopes: Any = None,
+    sinks: Any = None,
     softcap: float | None = None,
     q_lengths: Any = None,
     kv_lengths: Any = None,
@@ -148,6 +155,10 @@ def flash_attention(
         mask: bool, broadcastable to (..., Hq, Lq, Lk); True = attend.
         bias: float, broadcastable to (..., Hq, Lq, Lk); added to the scores.
         alibi_slopes: broadcastable to (..., Hq); adds -slope * |i + Lk - Lq - j|.
+        sinks: attention sinks, real logits broadcastable to (..., Hq): each row of
+            head h gets exp(sinks[h]) added to its softmax denominator, lse =
+            log(exp(sinks[h]) + sum_j exp(s_ij)), and the sink takes no value (a row
+            whose scores are all masked gives out 0 and lse = sinks[h]).
         softcap: s -> softcap * tanh(s / softcap), before bias and masks.
         q_lengths, kv_lengths: ints broadcastable to the batch dims (...): rows
             >= q_len give 0 (lse -inf), keys >= kv_len are masked.
@@ -209,30 +220,38 @@ def flash_attention_backward(
         out: the forward's out, (..., Hq, Lq, Dv) in q's dtype.
         lse: the forward's lse, (..., Hq, Lq), float32 (float64 for float64 inputs);
             another shape or dtype is an error.
-        bias_grad: also return dbias, reduced to the bias's own shape.
+        bias_grad: also return dbias, reduced to the bias's own shape. With ``sinks``
+            the sinks' gradient is always returned (last), in their own shape, float64.
         deterministic: bitwise-repeatable gradients (the CPU backend always is).
         **options: the forward's keyword options, the same seed included.
 
     Returns:
         ``(dq, dk, dv)`` with the shapes and dtype of q, k, v, plus ``dbias``
-        with ``bias_grad=True``. Fully masked rows contribute zero, never NaN.
+        with ``bias_grad=True``, plus ``dsinks`` when sinks were given. Fully masked
+        rows contribute zero, never NaN.
     """
     for name, flag in (("bias_grad", bias_grad), ("deterministic", deterministic)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, received {flag!r}")
     if bias_grad and options.get("bias") is None:
         raise ValueError("bias_grad: expected a bias to differentiate, received bias=None")
-    pb, restore, _, (dq, dk, dv, dbias) = _compute(
+    pb, restore, _, (dq, dk, dv, dbias, dsinks) = _compute(
         q, k, v, options, lambda pb, backend: _run_backward(pb, backend, dout, out, lse, bias_grad, deterministic)
     )
+    return _gradients(pb, restore, dq, dk, dv, dbias if bias_grad else None, dsinks)
+
+
+def _gradients(pb: Problem, restore: Callable, dq: Any, dk: Any, dv: Any, dbias: Any, dsinks: Any) -> tuple:
+    """(dq, dk, dv), then dbias and dsinks where given, in the caller's kind and layout."""
     grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
-    return grads + (restore(dbias),) if bias_grad else grads
+    return grads + tuple(restore(g) for g in (dbias, dsinks) if g is not None)
 
 
 def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
     """Forward pass and its vector-Jacobian product: ``out, vjp = ...; vjp(dout)``.
 
-    ``vjp(dout)`` returns ``(dq, dk, dv)``, plus ``dbias`` when a bias was given.
+    ``vjp(dout)`` returns ``(dq, dk, dv)``, plus ``dbias`` when a bias was given, plus
+    ``dsinks`` when sinks were given.
     With dropout and no seed, a seed is drawn here and kept for the backward.
     ``return_lse=True`` makes the first result ``(out, lse)``.
     """
@@ -240,14 +259,13 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
     pb, restore, backend, (out, lse) = _compute(q, k, v, options, _run_forward)
 
     def vjp(dout: Any):
-        """(dq, dk, dv[, dbias]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
-        _, _, _, (dq, dk, dv, dbias) = _compute(
+        """(dq, dk, dv[, dbias][, dsinks]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
+        _, _, _, (dq, dk, dv, dbias, dsinks) = _compute(
             q, k, v, options,
             lambda pbb, be: _run_backward(pbb, be, dout, _squeeze(pb, out), _squeeze(pb, lse), pb.bias is not None, False),
             prepared=(pb, restore, backend),  # the forward's validated problem: no second pass or copy
         )
-        grads = tuple(restore(_squeeze(pb, g)) for g in (dq, dk, dv))
-        return grads + (restore(dbias),) if pb.bias is not None else grads
+        return _gradients(pb, restore, dq, dk, dv, dbias, dsinks)
 
     result = (restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))) if pb.return_lse else restore(_squeeze(pb, out))
     return result, vjp

@@ -58,6 +58,11 @@ def _cupy():
     return cupy
 
 
+def array_module(x: Any):
+    """CuPy for a CuPy array, NumPy for anything else (the backends' own arrays)."""
+    return _cupy() if _is_cupy(x) else np
+
+
 def to_numpy(x: Any) -> np.ndarray:
     """A host NumPy array with ``x``'s data (no copy where NumPy can share it)."""
     if isinstance(x, np.ndarray):

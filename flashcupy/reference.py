@@ -21,6 +21,7 @@ import numpy as np
 from scipy.special import logsumexp
 
 from . import interop, rng
+from .sinks import sum_to_shape
 from .problem import Problem, check_backward_arrays, lse_dtype, make_host_problem
 
 
@@ -37,6 +38,7 @@ class _Forward:
     zd: np.ndarray | None  # keep / (1 - dropout_p), or None without dropout
     out: np.ndarray  # (*batch, Hq, Lq, Dv)
     lse: np.ndarray  # (*batch, Hq, Lq)
+    p_sink: np.ndarray | None  # exp(sink - lse), each row's sink probability, (*batch, Hq, Lq)
 
 
 def _precision(compute_dtype: Any):
@@ -134,6 +136,13 @@ def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
 
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = logsumexp(s, axis=-1)
+    p_sink = None
+    if pb.sinks is not None:
+        # The sink joins the denominator of every row inside q_len (padded rows take none).
+        rows = np.arange(pb.seqlen_q) < q_len[..., None, None]
+        sink = np.where(rows, pb.sinks[..., None], -np.inf)
+        lse = np.logaddexp(lse, sink)
+        p_sink = np.where(rows, np.exp(sink - np.where(rows, lse, 0.0)), 0.0)
     # A fully masked row has lse = -inf; subtracting 0 instead gives exp(-inf) = 0, never NaN.
     lse_safe = np.where(lse == -np.inf, 0.0, lse)
     p = rnd(np.exp(s - lse_safe[..., None]))
@@ -144,15 +153,7 @@ def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
         zd = (keep / (1.0 - pb.dropout_p)).astype(work)
         pd = rnd(p * zd)
     out = rnd(pd @ v)
-    return _Forward(q=q, k=k, v=v, tanh=tanh, p=p, pd=pd, zd=zd, out=out, lse=lse)
-
-
-def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum ``x`` over the axes that ``shape`` broadcasts (the reverse of broadcasting)."""
-    lead = x.ndim - len(shape)
-    x = x.sum(axis=tuple(range(lead)))
-    axes = tuple(a for a, n in enumerate(shape) if n == 1 and x.shape[a] != 1)
-    return x.sum(axis=axes, keepdims=True).reshape(shape)
+    return _Forward(q=q, k=k, v=v, tanh=tanh, p=p, pd=pd, zd=zd, out=out, lse=lse, p_sink=p_sink)
 
 
 def _group_sum(x: np.ndarray, pb: Problem) -> np.ndarray:
@@ -162,7 +163,8 @@ def _group_sum(x: np.ndarray, pb: Problem) -> np.ndarray:
 
 
 def _backward(pb: Problem, fw: _Forward, dout: np.ndarray, compute_dtype: Any = np.float64):
-    """Analytic gradients (dq, dk, dv, dbias) in the padded frame from a dense forward."""
+    """Analytic gradients (dq, dk, dv, dbias, dsinks) in the padded frame from a dense forward;
+    the sink, a score with no value, has dS = P_sink (0 - D)."""
     _, rnd = _precision(compute_dtype)
     q_len, _ = _frame_lengths(pb)
     dout = np.where(np.arange(pb.seqlen_q)[:, None] < q_len[..., None, None, None], dout, 0.0)
@@ -172,12 +174,13 @@ def _backward(pb: Problem, fw: _Forward, dout: np.ndarray, compute_dtype: Any = 
         dp = dp * fw.zd
     delta = np.sum(dout * fw.out, axis=-1, keepdims=True)
     ds = rnd(fw.p * (dp - delta))
-    dbias = None if pb.bias is None else _sum_to_shape(ds, pb.bias_shape)
+    dbias = None if pb.bias is None else sum_to_shape(ds, pb.bias_shape)
+    dsinks = None if fw.p_sink is None else sum_to_shape(-(fw.p_sink * delta[..., 0]).sum(axis=-1), pb.sinks_shape)
     if fw.tanh is not None:
         ds = ds * (1.0 - fw.tanh**2)  # d softcap*tanh(s/softcap) / ds = 1 - tanh^2
     dq = rnd(pb.scale * (ds @ fw.k))
     dk = rnd(_group_sum(pb.scale * (np.swapaxes(ds, -1, -2) @ fw.q), pb))
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, dsinks
 
 
 def forward(pb: Problem, compute_dtype: Any = np.float64) -> tuple[np.ndarray, np.ndarray]:
@@ -188,16 +191,18 @@ def forward(pb: Problem, compute_dtype: Any = np.float64) -> tuple[np.ndarray, n
 
 
 def backward(pb: Problem, dout: Any, compute_dtype: Any = np.float64):
-    """(dq, dk, dv, dbias) of a validated problem; dbias is None without a bias."""
+    """(dq, dk, dv, dbias, dsinks) of a validated problem; dbias is None without a bias,
+    dsinks None without sinks."""
     fw = _forward(pb, compute_dtype)
     dout = _to_frame(interop.to_numpy(dout), pb.cu_seqlens_q, pb.seqlen_q, _precision(compute_dtype)[0])
-    dq, dk, dv, dbias = _backward(pb, fw, dout, compute_dtype)
+    dq, dk, dv, dbias, dsinks = _backward(pb, fw, dout, compute_dtype)
     f64 = np.float64
     return (
         _from_frame(dq, pb.cu_seqlens_q).astype(f64),
         _from_frame(dk, pb.cu_seqlens_k).astype(f64),
         _from_frame(dv, pb.cu_seqlens_k).astype(f64),
         None if dbias is None else dbias.astype(f64),
+        None if dsinks is None else dsinks.astype(f64),
     )
 
 
@@ -226,7 +231,8 @@ def attention_reference(q: Any, k: Any, v: Any, **options: Any):
 
 
 def attention_reference_backward(dout: Any, q: Any, k: Any, v: Any, **options: Any):
-    """Dense float64 gradients (dq, dk, dv, dbias) of :func:`attention_reference`.
+    """Dense float64 gradients (dq, dk, dv, dbias) of :func:`attention_reference`, and dsinks
+    (the sinks' own shape) after them when sinks are given.
 
     dbias has the bias's own shape and is None without a bias. Shapes as the
     inputs; every result is a float64 NumPy array.
@@ -236,4 +242,5 @@ def attention_reference_backward(dout: Any, q: Any, k: Any, v: Any, **options: A
     dout, _, _ = check_backward_arrays(
         pb, dout.astype(pb.dtype), np.zeros(dout.shape, pb.dtype), np.zeros(dout.shape[:-1], lse_dtype(pb.dtype))
     )
-    return _squeeze(pb, *backward(pb, dout))
+    dq, dk, dv, dbias, dsinks = backward(pb, dout)
+    return _squeeze(pb, dq, dk, dv) + (dbias,) + (() if dsinks is None else (dsinks,))

@@ -137,18 +137,21 @@ def _check_tensors(q: Any, k: Any, v: Any, bias: Any) -> None:
 
 
 class _FlashAttention(torch.autograd.Function):
-    """out, lse = flashcupy forward; grads of q, k, v, bias from flashcupy's backward."""
+    """out, lse = flashcupy forward; grads of q, k, v, bias and sinks from flashcupy's backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, options, deterministic):
+    def forward(ctx, q, k, v, bias, sinks, options, deterministic):
         with _on_device(q.device):
             out, lse = _api.flash_attention_forward(
-                _to_array(q), _to_array(k), _to_array(v), bias=_to_array(bias), **_arrays(options)
+                _to_array(q), _to_array(k), _to_array(v), bias=_to_array(bias), sinks=_to_array(sinks),
+                **_arrays(options)
             )
             out, lse = _to_tensor(out), _to_tensor(lse)
         tensor_bias = bias if isinstance(bias, torch.Tensor) else None
-        ctx.save_for_backward(q, k, v, tensor_bias, out, lse)
+        tensor_sinks = sinks if isinstance(sinks, torch.Tensor) else None
+        ctx.save_for_backward(q, k, v, tensor_bias, tensor_sinks, out, lse)
         ctx.bias = None if tensor_bias is not None else bias
+        ctx.sinks = None if tensor_sinks is not None else sinks
         ctx.options = options
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
@@ -157,25 +160,29 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, tensor_bias, out, lse = ctx.saved_tensors
+        q, k, v, tensor_bias, tensor_sinks, out, lse = ctx.saved_tensors
         bias = tensor_bias if tensor_bias is not None else ctx.bias
+        sinks = tensor_sinks if tensor_sinks is not None else ctx.sinks
         bias_grad = bool(ctx.needs_input_grad[3])
         with _on_device(q.device):
             grads = _api.flash_attention_backward(
                 _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
-                bias=_to_array(bias), bias_grad=bias_grad, deterministic=ctx.deterministic,
+                bias=_to_array(bias), bias_grad=bias_grad, sinks=_to_array(sinks), deterministic=ctx.deterministic,
                 **_arrays(ctx.options),
             )
             grads = [_to_tensor(g) for g in grads]
-        if not bias_grad:
-            grads.append(None)
-        grads = [g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)]
+        # (dq, dk, dv), then dbias with bias_grad, then dsinks with sinks (float64 on the arrays' device)
+        dbias = grads[3] if bias_grad else None
+        dsinks = grads[-1] if sinks is not None else None
+        if dsinks is not None and tensor_sinks is not None:
+            dsinks = dsinks.to(dtype=tensor_sinks.dtype, device=tensor_sinks.device)
+        grads = [g if needed else None for g, needed in zip((*grads[:3], dbias, dsinks), ctx.needs_input_grad)]
         return (*grads, None, None)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: Any = None,
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: Any = None, sinks: Any = None,
                     deterministic: bool | None = None, **options: Any):
-    """Exact attention of torch tensors, differentiable with respect to q, k, v and bias.
+    """Exact attention of torch tensors, differentiable with respect to q, k, v, bias and sinks.
 
     Takes the keyword options of :func:`flashcupy.flash_attention` with the same
     meaning (see its docstring and docs/semantics.md): ``causal`` (True /
@@ -193,6 +200,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
             ``enable_gqa=True``.
         bias: broadcastable to (..., Hq, Lq, Lk). When it is a tensor that
             requires grad, ``bias.grad`` gets dbias in the bias's own shape.
+        sinks: attention sinks, logits broadcastable to (..., Hq) joining each
+            row's softmax denominator (see :func:`flashcupy.flash_attention`). When
+            it is a tensor that requires grad, ``sinks.grad`` gets their gradient
+            in their own shape, dtype and device.
         deterministic: bitwise-repeatable gradients; None (default) follows
             ``torch.are_deterministic_algorithms_enabled()``.
         **options: as above. Array options (mask, lengths, slopes, block_mask,
@@ -219,7 +230,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     p, seed, _ = _check_dropout(options.get("dropout_p", 0.0), options.get("seed"), options.get("dropout_offset", 0))
     if p > 0 and seed is None:
         options["seed"] = _rng.new_seed()  # drawn once here, reused by the backward
-    out, lse = _FlashAttention.apply(q, k, v, bias, options, deterministic)
+    out, lse = _FlashAttention.apply(q, k, v, bias, sinks, options, deterministic)
     return (out, lse) if return_lse else out
 
 

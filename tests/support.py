@@ -41,6 +41,13 @@ def assert_rule(
     assert result.ok, result.message
 
 
+def gradient_names(options: dict[str, Any]) -> tuple[str, ...]:
+    """The names of ``flash_attention_backward``'s results under ``options`` (with
+    ``bias_grad=True`` when there is a bias): dq, dk, dv, then dbias and dsinks where given."""
+    return (("dq", "dk", "dv") + (("dbias",) if options.get("bias") is not None else ())
+            + (("dsinks",) if options.get("sinks") is not None else ()))
+
+
 def cancelling_terms(case: AttentionProblem, ref: dict[str, np.ndarray]) -> dict[str, float]:
     """:func:`flashcupy.testing.cancelling_terms` for a drawn case."""
     return testing.cancelling_terms(case.q, case.k, case.dout, ref["out"], case.options.get("scale"))

@@ -15,7 +15,7 @@ import flashcupy as fc
 from flashcupy import rng
 from support import (
     BF16, DTYPES, F16, F32, F64, FLOOR, Case, assert_rule, cancelling_terms, cases, cpu_tiles, cu_seqlens,
-    padded_to_packed,
+    gradient_names, padded_to_packed,
 )
 
 
@@ -25,7 +25,7 @@ def _grads(case: Case):
     grads = fc.flash_attention_backward(
         case.dout, case.q, case.k, case.v, out, lse, bias_grad=bias_grad, backend="cpu", **case.options
     )
-    return out, lse, dict(zip(("dq", "dk", "dv", "dbias"), grads))
+    return out, lse, dict(zip(gradient_names(case.options), grads, strict=True))
 
 
 def _case(shape_q, shape_k, dv=None, dtype=F64, data_seed=0, tiles=None, **options) -> Case:
@@ -72,6 +72,9 @@ def test_backward_matches_reference(case: Case) -> None:
         # dbias is accumulated in float32 but D rounds like q's dtype: the wider of the two floors.
         floor_dtype = max(case.dtype, bias.dtype, key=lambda d: FLOOR[d])
         assert_rule("dbias", grads["dbias"], ref["dbias"], naive["dbias"], floor_dtype, terms["dbias"])
+    if "sinks" in case.options:
+        assert grads["dsinks"].shape == np.shape(case.options["sinks"]) and grads["dsinks"].dtype == F64
+        assert_rule("dsinks", grads["dsinks"], ref["dsinks"], naive["dsinks"], case.dtype, terms["dsinks"])
 
 
 # --------------------------------------------------------------------------- behaviour
@@ -191,6 +194,7 @@ def test_varlen_equals_padded(data) -> None:
         "window": data.draw(st.sampled_from([None, (4, 2)])),
         "alibi_slopes": rs.uniform(0, 1, (batch, hq)),
         "bias": rs.standard_normal((1, hq, lq, lk)),
+        "sinks": rs.standard_normal((batch, hq)),
         "dropout_p": data.draw(st.sampled_from([0.0, 0.3])),
         "seed": 99,
         "backend": "cpu",
@@ -211,6 +215,8 @@ def test_varlen_equals_padded(data) -> None:
     for got, want, n in zip(grads[:3], padded_grads[:3], (ql, kl, kl)):
         np.testing.assert_array_equal(got, padded_to_packed(want, n))
     np.testing.assert_array_equal(grads[3], padded_grads[3])  # dbias, in the padded frame for both
+    # dsinks: per sequence from a running sum over the packed rows, per row block when padded
+    np.testing.assert_allclose(grads[4], padded_grads[4], rtol=1e-9, atol=1e-9)
 
 
 def test_gqa_equals_repeated_heads() -> None:

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import flashcupy as fc
 from flashcupy import reference, rng
 from support import (
-    BF16, F16, F32, F64, FLOOR, Case, assert_rule, cancelling_terms, cases, cu_seqlens, padded_to_packed,
+    BF16, F16, F32, F64, FLOOR, Case, assert_rule, cancelling_terms, cases, cu_seqlens, gradient_names,
+    padded_to_packed,
 )
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +55,7 @@ def _device(x: np.ndarray):
 
 
 def _device_options(options: dict) -> dict:
-    return {n: (cupy.asarray(x) if n in ("mask", "bias", "block_mask") else x) for n, x in options.items()}
+    return {n: (cupy.asarray(x) if n in ("mask", "bias", "block_mask", "sinks") else x) for n, x in options.items()}
 
 
 def _check_forward(case: Case, **extra) -> None:
@@ -286,12 +287,17 @@ def _check_backward(case: Case, deterministic: bool = False) -> None:
     for name, x, g in zip(("dq", "dk", "dv"), (case.q, case.k, case.v), grads):
         assert isinstance(g, cupy.ndarray) and g.dtype == case.dtype and g.shape == x.shape, name
         assert_rule(name, g.get(), ref[name], naive[name], case.dtype, terms[name])
+    named = dict(zip(gradient_names(options), grads, strict=True))
     if bias_grad:
         bias = case.options["bias"]
-        dbias = grads[3].get()
+        dbias = named["dbias"].get()
         assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
         floor_dtype = max(case.dtype, bias.dtype, key=lambda d: FLOOR[d])
         assert_rule("dbias", dbias, ref["dbias"], naive["dbias"], floor_dtype, terms["dbias"])
+    if "sinks" in options:
+        dsinks = named["dsinks"]
+        assert isinstance(dsinks, cupy.ndarray) and dsinks.shape == np.shape(case.options["sinks"])
+        assert_rule("dsinks", dsinks.get(), ref["dsinks"], naive["dsinks"], case.dtype, terms["dsinks"])
 
 
 @GPU_SETTINGS

@@ -224,7 +224,7 @@ def test_gradients_close_names_the_gradient() -> None:
     results = testing.gradients_close(grads, dout, q, k, v, bias=bias)
     assert [n for n, c in results.items() if not c.ok] == ["dv"]
     assert "dv[" in results["dv"].message and "kv head" in results["dv"].message
-    with pytest.raises(ValueError, match="received 4 arrays and no bias"):
+    with pytest.raises(ValueError, match=r"\(no bias or sinks given\), received 4 arrays"):
         testing.gradients_close(grads, dout, q, k, v)
 
 
@@ -242,8 +242,8 @@ def test_the_rule() -> None:
 
 
 def test_unknown_names_are_value_errors() -> None:
-    with pytest.raises(ValueError, match=r"options: unknown name\(s\) 'sinks'; expected some of 'plain', 'causal'"):
-        attention_problems(options=("causal", "sinks"))
+    with pytest.raises(ValueError, match=r"options: unknown name\(s\) 'temperature'; expected some of 'plain', 'causal'"):
+        attention_problems(options=("causal", "temperature"))
     with pytest.raises(ValueError, match=r"dtypes: unknown name\(s\) 'float8'"):
         attention_problems(dtypes=("float8",))
     with pytest.raises(ValueError, match="min_len, max_len"):
@@ -253,8 +253,8 @@ def test_unknown_names_are_value_errors() -> None:
 
 
 def test_every_option_is_documented() -> None:
-    assert set(testing.OPTIONS) == {"plain", "causal", "window", "mask", "bias", "alibi", "softcap", "scale", "gqa",
-                                    "lengths", "block_mask", "dropout", "value_dim", "strided", "ranks"}
+    assert set(testing.OPTIONS) == {"plain", "causal", "window", "mask", "bias", "alibi", "sinks", "softcap", "scale",
+                                    "gqa", "lengths", "block_mask", "dropout", "value_dim", "strided", "ranks"}
     assert all(isinstance(text, str) and text for text in testing.OPTIONS.values())
 
 
@@ -284,7 +284,7 @@ def test_strategy_draws_every_option_and_awkward_shape() -> None:
             seen.add("plain")
 
     draw()
-    wanted = {"causal=True", "causal='top_left'", "causal='bottom_right'", "window", "mask", "bias", "alibi_slopes",
+    wanted = {"causal=True", "causal='top_left'", "causal='bottom_right'", "window", "mask", "bias", "alibi_slopes", "sinks",
               "softcap", "scale", "q_lengths", "kv_lengths", "block_mask", "dropout_p", "L=1", "L=17", "L=97",
               "ndim=2", "ndim=4", "ndim=5", "mqa", "gqa", "mha", "odd D", "Lq != Lk", "strided", "Dv != D",
               "fully masked row", "plain", "float16", "bfloat16", "float32", "float64"}

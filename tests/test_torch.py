@@ -166,6 +166,20 @@ def test_gradcheck_with_bias() -> None:
     assert torch.autograd.gradcheck(fn, (q, k, v, bias), eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
+def test_gradcheck_with_sinks_and_bias() -> None:
+    q = _randn((2, 2, 4, 3), seed=14)
+    k = _randn((2, 2, 5, 3), seed=15)
+    v = _randn((2, 2, 5, 2), seed=16)
+    bias = _randn((4, 5), seed=17)
+    sinks = _randn((2, 1), seed=18)  # per batch entry, broadcast over the heads
+    q_lengths = torch.tensor([4, 2])
+
+    def fn(q, k, v, bias, sinks):
+        return fct.flash_attention(q, k, v, bias=bias, sinks=sinks, q_lengths=q_lengths, causal=True)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias, sinks), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
 def test_gradcheck_masked_lengths_and_alibi() -> None:
     q = _randn((2, 2, 5, 3), seed=20)
     k = _randn((2, 2, 6, 3), seed=21)

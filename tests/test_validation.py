@@ -309,34 +309,41 @@ def test_bias_not_broadcastable(call, shape):
         call(q, k, v, bias=np.zeros(shape, F32))
 
 
+PER_HEAD = pytest.mark.parametrize("name", ["alibi_slopes", "sinks"])
+
+
+@PER_HEAD
 @pytest.mark.parametrize("shape", [(HQ + 1,), (3, HQ), (B, HQ, 1), (1, 1, HQ)])
-def test_alibi_not_broadcastable(call, shape):
+def test_per_head_option_not_broadcastable(call, name, shape):
     q, k, v = make_qkv()
-    with rejects(ValueError, "alibi_slopes", f"received {shape}"):
-        call(q, k, v, alibi_slopes=np.ones(shape, F32))
+    with rejects(ValueError, name, f"received {shape}"):
+        call(q, k, v, **{name: np.ones(shape, F32)})
 
 
+@PER_HEAD
 @pytest.mark.parametrize("dtype", [np.complex64, np.bool_, "U2"])
-def test_alibi_wrong_dtype(call, dtype):
+def test_per_head_option_wrong_dtype(call, name, dtype):
     q, k, v = make_qkv()
-    with rejects(TypeError, "alibi_slopes", np.dtype(dtype).name):
-        call(q, k, v, alibi_slopes=np.ones(HQ, dtype))
+    with rejects(TypeError, name, np.dtype(dtype).name):
+        call(q, k, v, **{name: np.ones(HQ, dtype)})
 
 
+@PER_HEAD
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_alibi_not_finite(call, value):
+def test_per_head_option_not_finite(call, name, value):
     q, k, v = make_qkv()
-    slopes = np.full(HQ, 0.5)
-    slopes[2] = value
-    with rejects(ValueError, "alibi_slopes", value):
-        call(q, k, v, alibi_slopes=slopes)
+    values = np.full(HQ, 0.5)
+    values[2] = value
+    with rejects(ValueError, name, value):
+        call(q, k, v, **{name: values})
 
 
+@PER_HEAD
 @pytest.mark.parametrize("bad, received", [("0.5", "str '0.5'"), ({"s": 1}, "dict")])
-def test_alibi_not_an_array(call, bad, received):
+def test_per_head_option_not_an_array(call, name, bad, received):
     q, k, v = make_qkv()
-    with rejects(TypeError, "alibi_slopes", received):
-        call(q, k, v, alibi_slopes=bad)
+    with rejects(TypeError, name, received):
+        call(q, k, v, **{name: bad})
 
 
 # --------------------------------------------------------------------------- lengths

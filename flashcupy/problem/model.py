@@ -102,6 +102,8 @@ class Problem(Layout):
 
     ``mask``, ``bias`` and ``block_mask`` are broadcast views of shape (*batch, Hq, Lq, Lk)
     and (*batch, Hq, ceil(Lq/bs), ceil(Lk/bs)); ``bias_shape`` is the bias's own shape.
+    ``alibi_slopes`` and ``sinks`` are host float64 (*batch, Hq); ``sinks_shape`` the sinks'
+    own shape.
     """
 
     dtype: np.dtype
@@ -113,6 +115,8 @@ class Problem(Layout):
     bias: Any
     bias_shape: tuple[int, ...] | None
     alibi_slopes: np.ndarray | None
+    sinks: np.ndarray | None
+    sinks_shape: tuple[int, ...] | None
     q_lengths: np.ndarray | None
     kv_lengths: np.ndarray | None
     block_mask: Any

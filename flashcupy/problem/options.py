@@ -18,7 +18,7 @@ from .validate import as_float, broadcast_view, check_array, check_float_dtype, 
 
 #: Options that carry arrays (converted to the backend's array module before validation).
 ARRAY_OPTIONS = (
-    "mask", "bias", "alibi_slopes", "q_lengths", "kv_lengths", "block_mask", "cu_seqlens_q", "cu_seqlens_k",
+    "mask", "bias", "alibi_slopes", "sinks", "q_lengths", "kv_lengths", "block_mask", "cu_seqlens_q", "cu_seqlens_k",
 )
 #: Options that may also be Python lists of ints (converted to int32 when they fit).
 INT32_LIST_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k")
@@ -33,6 +33,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "mask": None,
     "bias": None,
     "alibi_slopes": None,
+    "sinks": None,
     "softcap": None,
     "q_lengths": None,
     "kv_lengths": None,
@@ -157,17 +158,18 @@ def _bool_array(name: str, x: Any, what: str) -> None:
         raise TypeError(f"{name}: expected dtype bool{what}, received {dtype_name(x.dtype)}")
 
 
-def _slopes(slopes: Any, target: tuple[int, ...]) -> np.ndarray | None:
-    """ALiBi slopes as host float64 broadcast to (*batch, Hq), all finite."""
-    if slopes is None:
+def _per_head(name: str, values: Any, target: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """A per-head option (ALiBi slopes, sinks) as host float64 broadcast to ``target``
+    (*batch, Hq), all finite, and its own shape; None when not given."""
+    if values is None:
         return None
-    host = host_array("alibi_slopes", slopes)
+    host = host_array(name, values)
     if host.dtype.kind not in "iuf" and host.dtype != ml_dtypes.bfloat16:
-        raise TypeError(f"alibi_slopes: expected real numbers, received dtype {dtype_name(host.dtype)}")
-    slopes = np.array(broadcast_view("alibi_slopes", host, target, np), dtype=np.float64)
-    if not np.isfinite(slopes).all():
-        raise ValueError(f"alibi_slopes: expected finite values, received {slopes[~np.isfinite(slopes)][0]}")
-    return slopes
+        raise TypeError(f"{name}: expected real numbers, received dtype {dtype_name(host.dtype)}")
+    full = np.array(broadcast_view(name, host, target, np), dtype=np.float64)
+    if not np.isfinite(full).all():
+        raise ValueError(f"{name}: expected finite values, received {full[~np.isfinite(full)][0]}")
+    return full, host.shape
 
 
 def _block_mask(block_mask: Any, block_size: Any, lay: Layout, xp: Any) -> tuple[Any, int | None]:
@@ -214,8 +216,11 @@ def check_options(o: dict[str, Any], lay: Layout, xp: Any) -> dict[str, Any]:
         check_float_dtype("bias", bias)
         bias_shape = tuple(bias.shape)
         bias = broadcast_view("bias", bias, scores_shape, xp)
-    fields.update(mask=mask, bias=bias, bias_shape=bias_shape,
-                  alibi_slopes=_slopes(o["alibi_slopes"], lay.batch + (lay.num_heads_q,)))
+    heads = lay.batch + (lay.num_heads_q,)
+    slopes = _per_head("alibi_slopes", o["alibi_slopes"], heads)
+    sinks = _per_head("sinks", o["sinks"], heads)
+    fields.update(mask=mask, bias=bias, bias_shape=bias_shape, alibi_slopes=None if slopes is None else slopes[0],
+                  sinks=None if sinks is None else sinks[0], sinks_shape=None if sinks is None else sinks[1])
 
     for name, limit in (("q_lengths", lay.seqlen_q), ("kv_lengths", lay.seqlen_k)):
         fields[name] = None if o[name] is None else host_int_array(name, o[name], lay.batch, 0, limit)

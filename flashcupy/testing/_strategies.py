@@ -86,6 +86,8 @@ def problems(draw, dtypes: tuple[np.dtype, ...], options: frozenset[str], min_le
         opts["bias"] = rs.standard_normal(_sub_shape(draw, scores)).astype(draw(st.sampled_from([dtype, F32])))
     if on("alibi"):
         opts["alibi_slopes"] = rs.uniform(0, 0.5, _sub_shape(draw, batch + heads) if heads else ())
+    if on("sinks"):
+        opts["sinks"] = rs.normal(0.0, 2.0, _sub_shape(draw, batch + heads) if heads else ())
     if batch and on("lengths"):
         which = draw(st.sampled_from(["both", "q", "kv"]))
         if which != "kv":

@@ -23,8 +23,9 @@ AXES = {
     "dk": ("kv head", "key", "column"),
     "dv": ("kv head", "key", "column"),
     "dbias": ("head", "row", "key"),
+    "dsinks": ("head",),
 }
-GRADIENTS = ("dq", "dk", "dv", "dbias")
+GRADIENTS = ("dq", "dk", "dv", "dbias", "dsinks")
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -47,7 +48,8 @@ def host_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def reference_results(q: Any, k: Any, v: Any, options: dict[str, Any],
                       dout: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(ref, naive): out and lse, and with ``dout`` dq, dk, dv and dbias (None without a bias),
+    """(ref, naive): out and lse, and with ``dout`` dq, dk, dv, dbias and dsinks (None without
+    a bias, sinks),
     as float64 NumPy arrays: ``ref`` from the float64 reference, ``naive`` from plain attention
     computed in q's dtype (the rule's comparison point). Arrays of any kind; options as
     :func:`flashcupy.flash_attention` takes them."""
@@ -67,7 +69,7 @@ def reference_results(q: Any, k: Any, v: Any, options: dict[str, Any],
         if dout is not None:
             r.update(zip(GRADIENTS, reference.backward(pb, dout, compute)))
         if pb.squeeze_head:
-            r = {n: (a[0] if n != "dbias" and a is not None else a) for n, a in r.items()}
+            r = {n: (a[0] if n not in ("dbias", "dsinks") and a is not None else a) for n, a in r.items()}
         results.append(r)
     return results[0], results[1]
 
@@ -132,24 +134,26 @@ def assert_attention_close(out: Any, q: Any, k: Any, v: Any, **options: Any) -> 
 
 def gradients_close(grads: Sequence[Any], dout: Any, q: Any, k: Any, v: Any,
                     **options: Any) -> dict[str, Comparison]:
-    """``grads`` = (dq, dk, dv) or (dq, dk, dv, dbias) of <attention(q, k, v, **options), dout>
+    """``grads`` = (dq, dk, dv), or as ``flash_attention_backward`` returns them, (dq, dk, dv)
+    then dbias with a bias and dsinks with sinks, of <attention(q, k, v, **options), dout>
     under the tolerance rule, without raising: a Comparison per gradient.
 
-    Gradients have the shapes of q, k, v (and of the bias). The rule's floor grows
-    with the terms that cancel in dS = P (dP - D) (:func:`cancelling_terms`); dbias
+    Gradients have the shapes of q, k, v (and of the bias, the sinks). The rule's floor
+    grows with the terms that cancel in dS = P (dP - D) (:func:`cancelling_terms`); dbias
     takes the coarser floor of q's and the bias's dtypes.
     """
     grads = tuple(grads)
-    bias = options.get("bias")
-    if len(grads) not in (3, 4) or (len(grads) == 4 and bias is None):
-        raise ValueError(f"grads: expected (dq, dk, dv) or, with a bias, (dq, dk, dv, dbias), "
-                         f"received {len(grads)} arrays{'' if bias is not None else ' and no bias'}")
+    bias, sinks = options.get("bias"), options.get("sinks")
+    names = ("dq", "dk", "dv") + (("dbias",) if bias is not None else ()) + (("dsinks",) if sinks is not None else ())
+    if len(grads) not in (3, len(names)):
+        expected = f"(dq, dk, dv) or ({', '.join(names)})" if len(names) > 3 else "(dq, dk, dv) (no bias or sinks given)"
+        raise ValueError(f"grads: expected {expected}, received {len(grads)} arrays")
     q, k, v, dout = (to_host(x) for x in (q, k, v, dout))
     ref, naive = reference_results(q, k, v, options, dout)
     dtype = q.dtype
     terms = cancelling_terms(q, k, dout, ref["out"], options.get("scale"))
     results = {}
-    for name, g in zip(GRADIENTS, grads):
+    for name, g in zip(names, grads):
         dt = floor_dtype(dtype, to_host(bias).dtype) if name == "dbias" else dtype
         results[name] = compare(to_host(g), ref[name], naive[name], dt, terms[name], name=name, axes=AXES[name])
     return results

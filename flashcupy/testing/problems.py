@@ -24,6 +24,7 @@ OPTIONS: dict[str, str] = {
     "mask": "mask: bool, True = attend, broadcastable to (..., Hq, Lq, Lk); some rows fully masked",
     "bias": "bias: float (q's dtype or float32), broadcastable to (..., Hq, Lq, Lk), added to the scores",
     "alibi": "alibi_slopes broadcastable to (..., Hq): adds -slope * |i + Lk - Lq - j| to the scores",
+    "sinks": "sinks: logits broadcastable to (..., Hq), mean 0, sd 2, joining each row's softmax denominator",
     "softcap": "softcap in [0.5, 30]: scores become softcap * tanh(score / softcap)",
     "scale": "scale in [-1.5, 1.5] (zero and negative included) instead of 1 / sqrt(D)",
     "gqa": "Hq a multiple (2 to 4) of Hk: query head h reads kv head h // (Hq // Hk); Hk = 1 is MQA",

@@ -155,7 +155,7 @@ def compare(ours: Any, ref: np.ndarray, naive: Any, dtype: Any, magnitude: float
 
 def cancelling_terms(q: Any, k: Any, dout: Any, out_ref: np.ndarray, scale: float | None = None) -> dict[str, float]:
     """Magnitudes of the terms that cancel in dS = P (dP - D), per gradient: the
-    ``magnitude`` argument of :func:`tolerance` for dq, dk, dv and dbias.
+    ``magnitude`` argument of :func:`tolerance` for dq, dk, dv, dbias and dsinks.
 
     FlashAttention's backward takes D = rowsum(dO * O) from O rounded to the output
     dtype, so where dP - D cancels (a row attending one key has dS = 0 exactly) the
@@ -166,4 +166,6 @@ def cancelling_terms(q: Any, k: Any, dout: Any, out_ref: np.ndarray, scale: floa
     t = float(np.max(np.sum(np.abs(np.asarray(dout, np.float64)) * o, axis=-1), initial=0.0))
     scale = abs(scale or 1.0 / np.sqrt(np.shape(q)[-1]))
     big = lambda x: float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))  # noqa: E731
-    return {"dq": scale * t * big(k), "dk": scale * t * big(q), "dv": 0.0, "dbias": t}
+    # dsinks = -sum_i P_sink,i D_i adds one D per row of a head: up to Lq of them.
+    return {"dq": scale * t * big(k), "dk": scale * t * big(q), "dv": 0.0, "dbias": t,
+            "dsinks": t * np.shape(dout)[-2]}

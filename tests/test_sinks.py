@@ -1,0 +1,97 @@
+"""Attention sinks: the reference against finite differences and closed forms, the backends
+against the reference on the cases the Hypothesis suites reach rarely, and the CUDA path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcupy as fc
+from flashcupy.reference import attention_reference_backward
+
+from support import BF16, F16, F32, F64, Case, assert_rule, cancelling_terms, gradient_names
+
+
+def _qkv(rs, shape_q, shape_k, dtype=F64):
+    q = rs.standard_normal(shape_q).astype(dtype)
+    k = rs.standard_normal(shape_k).astype(dtype)
+    v = rs.standard_normal(shape_k).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 1), (2, 3)])
+@pytest.mark.parametrize("options", [{}, {"causal": True, "q_lengths": np.array([4, 2])},
+                                     {"mask": np.random.default_rng(5).random((2, 3, 4, 6)) < 0.4},
+                                     {"dropout_p": 0.3, "seed": 17, "bias": np.ones((4, 6))}])
+def test_reference_dsinks_match_finite_differences(shape, options):
+    rs = np.random.default_rng(len(shape))
+    q, k, v = _qkv(rs, (2, 3, 4, 5), (2, 3, 6, 5))
+    sinks = np.asarray(rs.standard_normal(shape) * 2)
+    dout = rs.standard_normal((2, 3, 4, 5))
+    *_, dsinks = attention_reference_backward(dout, q, k, v, sinks=sinks, **options)
+    assert dsinks.shape == shape and dsinks.dtype == F64
+    eps, numeric = 1e-6, np.zeros(shape)
+    for idx in np.ndindex(shape):
+        hi, lo = sinks.copy(), sinks.copy()
+        hi[idx] += eps
+        lo[idx] -= eps
+        numeric[idx] = np.sum(dout * (fc.attention_reference(q, k, v, sinks=hi, **options)
+                                      - fc.attention_reference(q, k, v, sinks=lo, **options))) / (2 * eps)
+    np.testing.assert_allclose(dsinks, numeric, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_masked_rows_take_the_sink_and_padded_rows_none(backend):
+    rs = np.random.default_rng(1)
+    q, k, v = _qkv(rs, (2, 2, 5, 8), (2, 2, 7, 8), F32)
+    mask = np.ones((5, 7), bool)
+    mask[1] = False  # row 1 attends nothing
+    sinks = np.array([0.25, -3.0])
+    out, lse = fc.flash_attention(q, k, v, mask=mask, sinks=sinks, q_lengths=[5, 3], return_lse=True,
+                                  backend=backend)
+    out, lse = fc.interop.to_numpy(out), fc.interop.to_numpy(lse)
+    assert np.all(out[:, :, 1] == 0) and np.array_equal(lse[:, :, 1], np.broadcast_to(sinks, (2, 2)))
+    assert np.all(out[1, :, 3:] == 0) and np.all(lse[1, :, 3:] == -np.inf)  # rows past q_len
+    # the probabilities of a row sum to 1 - exp(sink - lse)
+    ref_out, ref_lse = fc.attention_reference(q, k, v, mask=mask, sinks=sinks, q_lengths=[5, 3], return_lse=True)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+
+
+def test_huge_sink_leaves_nothing_and_tiny_sink_changes_nothing():
+    rs = np.random.default_rng(2)
+    q, k, v = _qkv(rs, (1, 2, 6, 4), (1, 2, 9, 4))
+    plain, plain_lse = fc.flash_attention(q, k, v, return_lse=True, backend="cpu")
+    out, lse = fc.flash_attention(q, k, v, sinks=[-200.0, 200.0], return_lse=True, backend="cpu")
+    np.testing.assert_array_equal(out[0, 0], plain[0, 0])  # exp(-200) vanishes beside the scores
+    np.testing.assert_array_equal(lse[0, 0], plain_lse[0, 0])
+    assert np.all(np.abs(out[0, 1]) < 1e-80) and np.allclose(lse[0, 1], 200.0)
+
+
+def test_reference_2d_bias_gradient_keeps_the_bias_shape():
+    """A 2-D call (one head) returned dbias with its first axis dropped, like q's head axis."""
+    rs = np.random.default_rng(3)
+    q, k, v = _qkv(rs, (5, 8), (7, 8))
+    dq, dk, dv, dbias = attention_reference_backward(np.ones((5, 8)), q, k, v, bias=rs.standard_normal((5, 7)))
+    assert dq.shape == (5, 8) and dbias.shape == (5, 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
+def test_cuda_sinks_match_the_reference(dtype):
+    import cupy
+
+    rs = np.random.default_rng(4)
+    case = Case(*_qkv(rs, (2, 4, 300, 64), (2, 2, 257, 64), dtype), rs.standard_normal((2, 4, 300, 64)).astype(dtype),
+                {"causal": True, "sinks": rs.standard_normal((2, 4)) * 3})
+    q, k, v, dout = (cupy.asarray(x) for x in (case.q, case.k, case.v, case.dout))
+    sinks = cupy.asarray(case.options["sinks"])
+    out, lse = fc.flash_attention_forward(q, k, v, causal=True, sinks=sinks)
+    grads = fc.flash_attention_backward(dout, q, k, v, out, lse, causal=True, sinks=sinks)
+    ref, naive = case.references()
+    terms = cancelling_terms(case, ref)
+    assert_rule("out", out.get(), ref["out"], naive["out"], dtype)
+    assert_rule("lse", lse.get(), ref["lse"], naive["lse"], dtype)
+    for name, g in zip(gradient_names(case.options), grads, strict=True):
+        assert isinstance(g, cupy.ndarray)
+        assert_rule(name, g.get(), ref[name], naive[name], dtype, terms[name])
