@@ -570,7 +570,8 @@ def precompile_command(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- bench
 
 BENCH_SCRIPT = Path("bench") / "bench_attention.py"
-CPU_BENCH_SCRIPT = Path("bench") / "bench_cpu.py"  # the cpu suite: bench ... --suite cpu
+#: The scripts of the suites bench_attention.py does not run: bench ... --suite NAME.
+SUITE_SCRIPTS = {"cpu": Path("bench") / "bench_cpu.py", "options": Path("bench") / "bench_options.py"}
 
 
 def find_bench_script(roots: Sequence[Path] | None = None, relative: Path = BENCH_SCRIPT) -> Path | None:
@@ -597,11 +598,12 @@ To run the benchmarks, clone the flashcupy repository and, from its root:
 
 
 def bench(argv: Sequence[str], script: Path | None = None) -> int:
-    """Run the benchmark script with ``argv`` (bench_cpu.py for ``--suite cpu``); its exit status,
-    or 2 when it is missing."""
-    cpu_suite = "--suite=cpu" in argv or any(a == "--suite" and b == "cpu" for a, b in zip(argv, argv[1:]))
+    """Run the benchmark script with ``argv`` (the suite's own for ``--suite cpu`` or ``--suite
+    options``, SUITE_SCRIPTS); its exit status, or 2 when it is missing."""
+    suites = [b for a, b in zip(argv, argv[1:]) if a == "--suite"] + [a[8:] for a in argv if a.startswith("--suite=")]
+    relative = SUITE_SCRIPTS.get(suites[-1], BENCH_SCRIPT) if suites else BENCH_SCRIPT
     if script is None:
-        script = find_bench_script(relative=CPU_BENCH_SCRIPT) if cpu_suite else find_bench_script()
+        script = find_bench_script(relative=relative)
     if script is None:
         print(BENCH_MISSING.format(location=Path(flashcupy.__file__).resolve().parent, cwd=Path.cwd()),
               file=sys.stderr)

@@ -20,7 +20,7 @@ def _plan(*args: str) -> list[dict]:
 
 
 def test_cli_routes_the_cpu_suite_to_bench_cpu() -> None:
-    assert cli.find_bench_script([ROOT], relative=cli.CPU_BENCH_SCRIPT) == ROOT / "bench" / "bench_cpu.py"
+    assert cli.find_bench_script([ROOT], relative=cli.SUITE_SCRIPTS["cpu"]) == ROOT / "bench" / "bench_cpu.py"
     plan = _plan()
     assert plan and all(FIELDS <= set(spec) for spec in plan)
     shapes = {(s["dtype"], s["L"], s["D"], s["causal"]) for s in plan}

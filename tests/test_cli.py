@@ -369,7 +369,7 @@ def test_find_bench_script(tmp_path) -> None:
 
 
 def test_bench_without_the_script_says_how_to_get_it(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(cli, "find_bench_script", lambda roots=None: None)
+    monkeypatch.setattr(cli, "find_bench_script", lambda roots=None, relative=None: None)
     assert cli.main(["bench", "--quick"]) == 2
     err = capsys.readouterr().err
     assert "not part of the installed package" in err and "clone the flashcupy repository" in err
@@ -379,7 +379,7 @@ def test_bench_passes_its_arguments_through(monkeypatch, tmp_path, capfd) -> Non
     script = tmp_path / "bench" / "bench_attention.py"
     script.parent.mkdir()
     script.write_text("import sys\nprint('ARGS', sys.argv[1:])\nsys.exit(3)\n")
-    monkeypatch.setattr(cli, "find_bench_script", lambda roots=None: script)
+    monkeypatch.setattr(cli, "find_bench_script", lambda roots=None, relative=None: script)
     assert cli.main(["bench", "--dtypes", "float16", "--help"]) == 3
     assert "ARGS ['--dtypes', 'float16', '--help']" in capfd.readouterr().out
 
