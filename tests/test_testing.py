@@ -309,6 +309,14 @@ def test_same_layout_keeps_strides() -> None:
     assert np.array_equal(copy, x) and copy.strides == x.strides and not np.shares_memory(copy, x)
 
 
+def test_same_layout_keeps_zero_dims() -> None:
+    """A 0-d option (sinks or slopes of a one-head call) became (1,) in the converted kind,
+    and its gradient took that shape."""
+    for x in (np.array(1.5), np.arange(6.0)[::2]):
+        copy = _same_layout(x, np.array, lambda a, axes: a.transpose(axes))
+        assert copy.shape == x.shape and np.array_equal(copy, x)
+
+
 def test_array_kinds_fail_clearly_when_missing(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ImportError, match="array='torch' needs PyTorch: pip install torch"):

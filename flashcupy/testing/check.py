@@ -61,8 +61,11 @@ def _torch_tensor(torch: Any, x: np.ndarray):
 
 def _same_layout(x: np.ndarray, make: Callable[[np.ndarray], Any], permute: Callable[[Any, tuple], Any]) -> Any:
     """``make`` of a C-contiguous copy of ``x`` in ``x``'s memory order, ``permute``d back to
-    ``x``'s axes: a (B, L, H, D) array seen as (B, H, L, D) stays such a view in the new kind."""
-    if x.ndim < 2 or x.flags.c_contiguous:
+    ``x``'s axes: a (B, L, H, D) array seen as (B, H, L, D) stays such a view in the new kind.
+    A 0-d array stays 0-d (np.ascontiguousarray would make it (1,))."""
+    if x.flags.c_contiguous:
+        return make(x)
+    if x.ndim < 2:
         return make(np.ascontiguousarray(x))
     order = sorted(range(x.ndim), key=lambda a: -x.strides[a])
     back = tuple(int(a) for a in np.argsort(order))
