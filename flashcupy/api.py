@@ -158,7 +158,8 @@ def flash_attention(
         sinks: attention sinks, real logits broadcastable to (..., Hq): each row of
             head h gets exp(sinks[h]) added to its softmax denominator, lse =
             log(exp(sinks[h]) + sum_j exp(s_ij)), and the sink takes no value (a row
-            whose scores are all masked gives out 0 and lse = sinks[h]).
+            whose scores are all masked gives out 0 and lse = sinks[h]; -inf is no
+            sink). GPU sinks stay on the GPU: their values are not checked.
         softcap: s -> softcap * tanh(s / softcap), before bias and masks.
         q_lengths, kv_lengths: ints broadcastable to the batch dims (...): rows
             >= q_len give 0 (lse -inf), keys >= kv_len are masked.

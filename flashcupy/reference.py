@@ -140,7 +140,7 @@ def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
     if pb.sinks is not None:
         # The sink joins the denominator of every row inside q_len (padded rows take none).
         rows = np.arange(pb.seqlen_q) < q_len[..., None, None]
-        sink = np.where(rows, pb.sinks[..., None], -np.inf)
+        sink = np.where(rows, np.asarray(pb.sinks, np.float64)[..., None], -np.inf)
         lse = np.logaddexp(lse, sink)
         p_sink = np.where(rows, np.exp(sink - np.where(rows, lse, 0.0)), 0.0)
     # A fully masked row has lse = -inf; subtracting 0 instead gives exp(-inf) = 0, never NaN.

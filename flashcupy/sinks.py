@@ -17,7 +17,7 @@ gradient is the extra column's dS with no value behind it:
 summed over the axes the sinks were broadcast along. Every pipeline therefore runs unchanged
 (dropout included: it scales P' after normalisation), and sinks cost one pass over out
 forward and one over dout and out backward. Rows past ``q_lengths`` stay out 0, lse -inf;
-a row whose scores are all masked gets lse' = s_h and out' = 0.
+a row whose scores are all masked gets lse' = s_h and out' = 0; a sink of -inf is no sink.
 
 Both functions take NumPy or CuPy arrays in a problem's internal layout (``xp`` their module).
 """
@@ -64,7 +64,8 @@ def grad(pb: Problem, dout: Any, out: Any, lse: Any, xp: Any) -> Any:
     every row of a head), from the forward's sink-aware ``out`` and ``lse`` and ``dout``,
     all in the internal layout."""
     f64 = np.float64
-    delta = (dout.astype(f64) * out.astype(f64)).sum(axis=-1)  # D = rowsum(dO * out')
+    acc = lse.dtype  # products in the accumulator dtype, as the kernels take D; sums in float64
+    delta = (dout.astype(acc) * out.astype(acc)).sum(axis=-1, dtype=f64)  # D = rowsum(dO * out')
     sink = _row_sinks(pb, xp, f64)
     # P'_sink = exp(s - lse'); padded rows (lse' = -inf, no sink) take exp(-inf - inf) = 0.
     p_sink = xp.exp(sink - xp.where(lse != -np.inf, lse.astype(f64), np.inf))

@@ -68,6 +68,22 @@ def test_huge_sink_leaves_nothing_and_tiny_sink_changes_nothing():
     assert np.all(np.abs(out[0, 1]) < 1e-80) and np.allclose(lse[0, 1], 200.0)
 
 
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_minus_infinity_is_no_sink(backend):
+    rs = np.random.default_rng(6)
+    q, k, v = _qkv(rs, (2, 2, 9, 8), (2, 2, 9, 8), F32)
+    dout = rs.standard_normal((2, 2, 9, 8)).astype(F32)
+    sinks = np.array([-np.inf, 1.0])
+    out, lse = fc.flash_attention_forward(q, k, v, sinks=sinks, q_lengths=[9, 4], backend=backend)
+    plain, plain_lse = fc.flash_attention_forward(q, k, v, q_lengths=[9, 4], backend=backend)
+    out, lse, plain, plain_lse = (fc.interop.to_numpy(x) for x in (out, lse, plain, plain_lse))
+    np.testing.assert_array_equal(out[:, 0], plain[:, 0])
+    np.testing.assert_array_equal(lse[:, 0], plain_lse[:, 0])
+    *_, dsinks = fc.flash_attention_backward(dout, q, k, v, out, lse, sinks=sinks, q_lengths=[9, 4], backend=backend)
+    dsinks = fc.interop.to_numpy(dsinks)
+    assert dsinks[0] == 0 and np.isfinite(dsinks[1]) and dsinks[1] != 0
+
+
 def test_reference_2d_bias_gradient_keeps_the_bias_shape():
     """A 2-D call (one head) returned dbias with its first axis dropped, like q's head axis."""
     rs = np.random.default_rng(3)

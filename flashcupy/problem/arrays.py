@@ -36,8 +36,9 @@ def make_host_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Proble
     return make_problem(host_array("q", q), host_array("k", k), host_array("v", v), {**options, **host})
 
 
-#: Array options the kernels read on the device; the others are small and stay on the host.
-DEVICE_ARRAY_OPTIONS = ("mask", "bias", "block_mask")
+#: Array options read on the device (by the kernels, or the sinks by flashcupy/sinks.py);
+#: the others are small and stay on the host.
+DEVICE_ARRAY_OPTIONS = ("mask", "bias", "block_mask", "sinks")
 
 
 def device_array(name: str, x: Any, device: int):
@@ -60,7 +61,7 @@ def device_array(name: str, x: Any, device: int):
 def make_device_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem:
     """:func:`make_problem` on CuPy arrays on q's device (CuPy's current device for host q).
 
-    q, k, v, mask, bias and block_mask move to the device (zero copy when already
+    q, k, v, mask, bias, block_mask and sinks move to the device (zero copy when already
     there); lengths, slopes and cu_seqlens are validated on the host.
     """
     import cupy

@@ -102,8 +102,8 @@ class Problem(Layout):
 
     ``mask``, ``bias`` and ``block_mask`` are broadcast views of shape (*batch, Hq, Lq, Lk)
     and (*batch, Hq, ceil(Lq/bs), ceil(Lk/bs)); ``bias_shape`` is the bias's own shape.
-    ``alibi_slopes`` and ``sinks`` are host float64 (*batch, Hq); ``sinks_shape`` the sinks'
-    own shape.
+    ``alibi_slopes`` are host float64 (*batch, Hq); ``sinks`` a broadcast view (*batch, Hq)
+    beside q (host or device), ``sinks_shape`` the sinks' own shape.
     """
 
     dtype: np.dtype
@@ -115,7 +115,7 @@ class Problem(Layout):
     bias: Any
     bias_shape: tuple[int, ...] | None
     alibi_slopes: np.ndarray | None
-    sinks: np.ndarray | None
+    sinks: Any
     sinks_shape: tuple[int, ...] | None
     q_lengths: np.ndarray | None
     kv_lengths: np.ndarray | None

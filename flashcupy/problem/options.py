@@ -158,18 +158,32 @@ def _bool_array(name: str, x: Any, what: str) -> None:
         raise TypeError(f"{name}: expected dtype bool{what}, received {dtype_name(x.dtype)}")
 
 
-def _per_head(name: str, values: Any, target: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, ...]] | None:
-    """A per-head option (ALiBi slopes, sinks) as host float64 broadcast to ``target``
-    (*batch, Hq), all finite, and its own shape; None when not given."""
-    if values is None:
+def _check_real(name: str, x: Any) -> None:
+    if x.dtype.kind not in "iuf" and x.dtype != ml_dtypes.bfloat16:
+        raise TypeError(f"{name}: expected real numbers, received dtype {dtype_name(x.dtype)}")
+
+
+def _slopes(slopes: Any, target: tuple[int, ...]) -> np.ndarray | None:
+    """ALiBi slopes as host float64 broadcast to (*batch, Hq), all finite."""
+    if slopes is None:
         return None
-    host = host_array(name, values)
-    if host.dtype.kind not in "iuf" and host.dtype != ml_dtypes.bfloat16:
-        raise TypeError(f"{name}: expected real numbers, received dtype {dtype_name(host.dtype)}")
-    full = np.array(broadcast_view(name, host, target, np), dtype=np.float64)
-    if not np.isfinite(full).all():
-        raise ValueError(f"{name}: expected finite values, received {full[~np.isfinite(full)][0]}")
-    return full, host.shape
+    host = host_array("alibi_slopes", slopes)
+    _check_real("alibi_slopes", host)
+    slopes = np.array(broadcast_view("alibi_slopes", host, target, np), dtype=np.float64)
+    if not np.isfinite(slopes).all():
+        raise ValueError(f"alibi_slopes: expected finite values, received {slopes[~np.isfinite(slopes)][0]}")
+    return slopes
+
+
+def _sinks(sinks: Any, target: tuple[int, ...], xp: Any) -> tuple[Any, tuple[int, ...] | None]:
+    """(attention sinks broadcast to (*batch, Hq) as a view in ``xp``, their own shape), or
+    (None, None). Their values are not read: GPU sinks cost no copy or wait, and any value
+    has a meaning (-inf: no sink; NaN and +inf reach the rows of their head)."""
+    if sinks is None:
+        return None, None
+    check_array("sinks", sinks)
+    _check_real("sinks", sinks)
+    return broadcast_view("sinks", sinks, target, xp), tuple(sinks.shape)
 
 
 def _block_mask(block_mask: Any, block_size: Any, lay: Layout, xp: Any) -> tuple[Any, int | None]:
@@ -217,10 +231,9 @@ def check_options(o: dict[str, Any], lay: Layout, xp: Any) -> dict[str, Any]:
         bias_shape = tuple(bias.shape)
         bias = broadcast_view("bias", bias, scores_shape, xp)
     heads = lay.batch + (lay.num_heads_q,)
-    slopes = _per_head("alibi_slopes", o["alibi_slopes"], heads)
-    sinks = _per_head("sinks", o["sinks"], heads)
-    fields.update(mask=mask, bias=bias, bias_shape=bias_shape, alibi_slopes=None if slopes is None else slopes[0],
-                  sinks=None if sinks is None else sinks[0], sinks_shape=None if sinks is None else sinks[1])
+    sinks, sinks_shape = _sinks(o["sinks"], heads, xp)
+    fields.update(mask=mask, bias=bias, bias_shape=bias_shape, alibi_slopes=_slopes(o["alibi_slopes"], heads),
+                  sinks=sinks, sinks_shape=sinks_shape)
 
     for name, limit in (("q_lengths", lay.seqlen_q), ("kv_lengths", lay.seqlen_k)):
         fields[name] = None if o[name] is None else host_int_array(name, o[name], lay.batch, 0, limit)
