@@ -40,7 +40,8 @@ by its GPU test suite.
 Timing as bench_attention.py: CUDA events on torch's stream around each call, ``--warmup``
 calls first, the median of ``--repeats``. The backward is the backward alone, the forward
 run once before. FLOPs count as the core suite's (the option's own work and skipped tiles
-not counted), so TFLOP/s compare within a row of options.
+not counted), so TFLOP/s compare within a row of options; window rows count the scores inside
+the band (and the causal triangle) alone: window_flops.
 
 Output: bench/results/<gpu>-<date>-options.json (``--out``): gpu, date, commit, cupy, torch,
 suite "options", rows {system, option, dtype, B, H, L, D, causal, mode, ms, tflops, checked},
@@ -143,6 +144,15 @@ def make_inputs(config: Config, seed: int) -> Inputs:
 
 def window_of(config: Config) -> tuple[int, int]:
     return (WINDOW, 0 if config.causal else WINDOW)
+
+
+def window_flops(config: Config) -> float:
+    """FlashAttention's FLOPs of the scores a window (and the causal triangle) keeps: 4 D per
+    kept score and head, 2.5 times that for the backward."""
+    left, right = window_of(config)
+    i = range(config.L)
+    kept = sum(min(config.L - 1, r + right) - max(0, r - left) + 1 for r in i)
+    return 4.0 * config.B * config.H * kept * config.D * (2.5 if config.mode == "bwd" else 1.0)
 
 
 def keep_matrix(option: str, config: Config, x: Inputs) -> Any:
@@ -331,7 +341,6 @@ def check(results: Sequence[Any], ref: Sequence[Any], dtype: str) -> str:
 
 def bench_config(config: Config, args: argparse.Namespace, doc: dict[str, Any]) -> None:
     x = make_inputs(config, args.seed)
-    flops = config.flops
     for option in args.options:
         ref = None if "dropout" in parts(option) else reference(option, config, x)
         for system in args.systems:
@@ -351,6 +360,7 @@ def bench_config(config: Config, args: argparse.Namespace, doc: dict[str, Any]) 
                 continue
             times = time_calls([call], args.warmup, args.repeats)
             ms = statistics.median(times)
+            flops = window_flops(config) if "window" in parts(option) else config.flops
             doc["rows"].append(base | {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 2),
                                        "checked": ref is not None})
             print(f"{config.label:48s} {option:18s} {system:15s} {ms:9.3f} ms", flush=True)
