@@ -89,11 +89,11 @@ def _run_backward(pb: Problem, backend: str, dout: Any, out: Any, lse: Any, bias
     """
     if backend == "cuda":
         dout, out, lse = check_device_backward_arrays(pb, dout, out, lse)
-        grads = cuda.backward(pb, dout, out, lse, bias_grad, deterministic)
+        *grads, delta = cuda.backward(pb, dout, out, lse, bias_grad, deterministic)
     else:
         dout, out, lse = check_host_backward_arrays(pb, dout, out, lse)
-        grads = cpu.backward(pb, dout, out, lse, bias_grad)
-    dsinks = None if pb.sinks is None else sinks.grad(pb, dout, out, lse, interop.array_module(out))
+        grads, delta = cpu.backward(pb, dout, out, lse, bias_grad), None
+    dsinks = None if pb.sinks is None else sinks.grad(pb, dout, out, lse, interop.array_module(out), delta)
     return (*grads, dsinks)
 
 

@@ -55,21 +55,29 @@ def apply(pb: Problem, out: Any, lse: Any, xp: Any) -> Any:
     # exp(lse - lse') in (0, 1]; where lse = -inf (no score survives, or a padded row) out
     # is 0 and the scale exp(-inf - 0) = 0 keeps it so. The product is taken in lse's dtype.
     scale = xp.exp(lse - xp.where(lse != -np.inf, new_lse, 0))
-    xp.multiply(out, scale[..., None], out=out, casting="same_kind")
+    if out.flags.c_contiguous:  # the backends' own arrays: rows of Dv, a one-axis broadcast
+        rows = out.reshape(-1, out.shape[-1])
+        xp.multiply(rows, scale.reshape(-1, 1), out=rows, casting="same_kind")
+    else:
+        xp.multiply(out, scale[..., None], out=out, casting="same_kind")
     return new_lse
 
 
-def grad(pb: Problem, dout: Any, out: Any, lse: Any, xp: Any) -> Any:
+def grad(pb: Problem, dout: Any, out: Any, lse: Any, xp: Any, delta: Any = None) -> Any:
     """dL/dsinks in the sinks' own shape, float64 (float64 throughout: the sum runs over
     every row of a head), from the forward's sink-aware ``out`` and ``lse`` and ``dout``,
-    all in the internal layout."""
+    all in the internal layout; ``delta`` = rowsum(dout * out) where a backend has it
+    already (shaped like lse), else it is computed here."""
     f64 = np.float64
-    acc = lse.dtype  # products in the accumulator dtype, as the kernels take D; sums in float64
-    delta = (dout.astype(acc) * out.astype(acc)).sum(axis=-1, dtype=f64)  # D = rowsum(dO * out')
+    if delta is None:  # products in the accumulator dtype, as the kernels take D; sums in float64
+        acc = lse.dtype
+        delta = (dout.astype(acc) * out.astype(acc)).sum(axis=-1, dtype=f64)
     sink = _row_sinks(pb, xp, f64)
-    # P'_sink = exp(s - lse'); padded rows (lse' = -inf, no sink) take exp(-inf - inf) = 0.
-    p_sink = xp.exp(sink - xp.where(lse != -np.inf, lse.astype(f64), np.inf))
-    per_row = -p_sink * delta
+    live = lse != -np.inf
+    # P'_sink = exp(s - lse'); padded rows (lse' = -inf, no sink) take exp(-inf - inf) = 0,
+    # and their D, which nothing else reads, is not read here either (it may be NaN).
+    p_sink = xp.exp(sink - xp.where(live, lse.astype(f64), np.inf))
+    per_row = xp.where(live, -p_sink * delta, 0.0)
     if pb.varlen:  # (Hq, total_q) -> (B, Hq): each sequence's rows
         cu = xp.asarray(np.asarray(pb.cu_seqlens_q))
         csum = xp.concatenate([xp.zeros((per_row.shape[0], 1), f64), xp.cumsum(per_row, axis=1)], axis=1)

@@ -346,8 +346,9 @@ def _dbias_buffer(pb: Problem, deterministic: bool, xp):
 
 
 def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
-    """(dq, dk, dv, dbias) of a problem on CuPy arrays, in its internal layout; dbias None
-    unless ``bias_grad``. dout, out, lse: device arrays in the internal layout. The parameter
+    """(dq, dk, dv, dbias, delta) of a problem on CuPy arrays, in its internal layout; dbias
+    None unless ``bias_grad``; delta = rowsum(dO * O) laid out like lse, in the accumulator
+    dtype (what the row pass computed for the kernels; the sinks' gradient reads it). dout, out, lse: device arrays in the internal layout. The parameter
     block is reused as in :func:`forward` (dout and out count as operands)."""
     import cupy as xp
 
@@ -405,4 +406,4 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             _run(launch, device_id, bparams)
         dbias = finish_dbias() if finish_dbias is not None else None
         del keep_alive
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, delta
