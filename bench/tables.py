@@ -37,7 +37,7 @@ SOURCES: dict[str, list[str]] = {
         "nvidia-h100-80gb-hbm3-2026-11-22-float64.json",
     ],
     "options": ["nvidia-h100-80gb-hbm3-2026-11-25-options.json"],
-    "cpu": ["cpu-2026-11-21.json"],
+    "cpu": ["cpu-2026-11-25-quiet.json"],
 }
 
 
@@ -99,8 +99,14 @@ def rows_of(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def machine(data: dict[str, Any]) -> str:
-    """The GPU (or CPU machine) a file was measured on, short: 'H100 80GB HBM3'."""
-    return str(data.get("gpu") or data.get("machine") or "unknown machine").removeprefix("NVIDIA ")
+    """The GPU (or CPU machine) a file was measured on, short: 'H100 80GB HBM3', or for the cpu
+    suite's description of the machine 'AMD EPYC, 2 cores, OpenBLAS 0.3.31.188.0'."""
+    found = data.get("gpu") or data.get("machine") or "unknown machine"
+    if isinstance(found, dict):
+        blas = ", ".join(f"{b.get('internal_api', '?')} {b.get('version', '')}".strip() for b in found.get("blas", []))
+        return ", ".join(part for part in (found.get("cpu_model"), f"{found.get('cores_available')} cores", blas)
+                         if part)
+    return str(found).removeprefix("NVIDIA ")
 
 
 def _number(x: float) -> str:
