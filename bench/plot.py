@@ -1,4 +1,4 @@
-"""Plot a result file of bench_attention.py: a PNG beside the JSON.
+"""Plot a result file of bench_attention.py or bench_options.py: a PNG beside the JSON.
 
     python bench/plot.py bench/results/<gpu>-<yyyy-mm-dd>.json    # writes <gpu>-<yyyy-mm-dd>.png
 
@@ -8,6 +8,9 @@ forward's panels come first, then, from a new row of the grid, the backward's
 in the same order. When the file has peak-memory entries, one more panel per
 memory mode, from a new row: MiB against L, log-log (fwd: one forward; bwd: one
 forward and its backward). Overhead entries are not plotted.
+
+An options-suite file (``suite: "options"``) gets one panel per (dtype, D, L, causal, mode):
+milliseconds per option (log axis), one bar per system that runs it.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ import matplotlib
 matplotlib.use("Agg")  # file output only; before pyplot is imported
 import matplotlib.pyplot as plt
 from bench_attention import DTYPES, MEMORY_SPANS, MODES, SYSTEMS  # bench/, the script's directory, is on sys.path
+from bench_options import OPTIONS
 
 #: One colour per system, the same in every panel; systems unknown here get later colours.
-COLORS = {system: f"C{i}" for i, system in enumerate(SYSTEMS)}
+COLORS = {system: f"C{i}" for i, system in enumerate(SYSTEMS + ("flex",))}
 PANEL_COLUMNS = 4
 
 
@@ -36,10 +40,11 @@ PANEL_COLUMNS = 4
 class Panel:
     """One plot: its lines (system -> {L: value}), title and y axis."""
 
-    lines: dict[str, dict[int, float]]
+    lines: dict[str, dict[Any, float]]  # system -> {L, or option for bars: value}
     title: str
     ylabel: str
     log_y: bool
+    bars: bool = False
 
 
 def system_order(systems: set[str]) -> list[str]:
@@ -79,8 +84,27 @@ def length_label(L: int) -> str:
     return f"{L // 1024}k" if L % 1024 == 0 else str(L)
 
 
+def draw_bars(ax: Any, panel: Panel) -> None:
+    """Grouped bars: one group per option (in the suite's order), one bar per system."""
+    options = [o for o in OPTIONS if any(o in points for points in panel.lines.values())]
+    systems = system_order(set(panel.lines))
+    width = 0.8 / len(systems)
+    for k, system in enumerate(systems):
+        xs = [i for i, o in enumerate(options) if o in panel.lines[system]]
+        ax.bar([x - 0.4 + width * (k + 0.5) for x in xs], [panel.lines[system][options[x]] for x in xs], width,
+               label=system, color=COLORS.get(system))
+    ax.set_xticks(range(len(options)), options, rotation=45, ha="right")
+    ax.set_yscale("log")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_title(panel.title)
+    ax.set_ylabel(panel.ylabel)
+
+
 def draw(ax: Any, panel: Panel) -> None:
     """One line per system over L on a log2 axis, ticks at the measured lengths."""
+    if panel.bars:
+        draw_bars(ax, panel)
+        return
     lines = panel.lines
     lengths = sorted({L for points in lines.values() for L in points})
     for system in system_order(set(lines)):
@@ -101,9 +125,25 @@ def draw(ax: Any, panel: Panel) -> None:
     ax.set_ylabel(panel.ylabel)
 
 
+def option_sections(document: dict[str, Any]) -> list[list[Panel]]:
+    """An options-suite file's panels, a row per mode: ms per option and system."""
+    by_mode: dict[str, list[Panel]] = {}
+    panels: dict[tuple, dict[str, dict[str, float]]] = {}
+    for row in document.get("rows", []):
+        key = (row["mode"], row["dtype"], row["D"], row["L"], row["causal"])
+        panels.setdefault(key, {}).setdefault(row["system"], {})[row["option"]] = row["ms"]
+    for mode, dtype, D, L, causal in sorted(panels, key=lambda k: panel_key((k[1], k[2], k[4], k[0])) + (k[3],)):
+        title = f"{dtype} D={D} L={L} {'causal' if causal else 'non-causal'} {mode}"
+        by_mode.setdefault(mode, []).append(
+            Panel(panels[mode, dtype, D, L, causal], title, "ms (lower is faster)", True, bars=True))
+    return list(by_mode.values())
+
+
 def sections(document: dict[str, Any]) -> list[list[Panel]]:
     """The panels, grouped so that each group starts a row of the grid: the speed panels of
     each mode, then the peak-memory panels."""
+    if document.get("suite") == "options":
+        return option_sections(document)
     speed = series(document.get("rows", []), "tflops", ("dtype", "D", "causal", "mode"))
     by_mode: dict[str, list[Panel]] = {}
     for dtype, D, causal, mode in sorted(speed, key=panel_key):
@@ -159,7 +199,7 @@ def plot(document: dict[str, Any], path: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("result", type=Path, help="a JSON file written by bench/bench_attention.py")
+    parser.add_argument("result", type=Path, help="a JSON file written by bench/bench_attention.py or bench_options.py")
     args = parser.parse_args(argv)
     try:
         out = plot(json.loads(args.result.read_text()), args.result)
