@@ -10,6 +10,7 @@ from .api import (
 )
 from .cpu_parallel import cpu_threads, get_cpu_threads, set_cpu_threads
 from .explain import explain
+from .kvcache import flash_attention_with_kvcache, merge_attention_states
 from .precompile import precompile
 from .reference import attention_reference
 
@@ -25,7 +26,9 @@ __all__ = [
     "flash_attention_forward",
     "flash_attention_varlen",
     "flash_attention_vjp",
+    "flash_attention_with_kvcache",
     "get_cpu_threads",
+    "merge_attention_states",
     "precompile",
     "set_cpu_threads",
 ]

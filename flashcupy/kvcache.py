@@ -1,0 +1,199 @@
+"""Decoding against a key/value cache, and the merge of partial attention results.
+
+:func:`flash_attention_with_kvcache` appends new keys and values to a contiguous or paged
+cache in place and attends over each sequence's valid keys; :func:`merge_attention_states`
+combines attention over two disjoint key sets into attention over their union.
+
+Both take NumPy or CuPy arrays (the cache is written in place, so it must already be one of
+them) and return the kind that went in. The attention itself is :func:`flashcupy.flash_attention`
+with ``kv_lengths``: a paged cache is gathered into a contiguous copy of the blocks in use first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import interop
+from .api import flash_attention
+from .problem import dtype_name
+from .problem.validate import check_array, host_array
+
+
+def _module(name: str, x: Any, xp: Any) -> None:
+    """A TypeError unless ``x`` is an array of module ``xp`` (a cache written in place cannot be
+    converted, and the arrays of one call live in one place)."""
+    check_array(name, x)
+    if interop.array_module(x) is not xp or not hasattr(x, "flags"):
+        want = "a NumPy array" if xp is np else "a CuPy array"
+        raise TypeError(f"{name}: expected {want} like q (the cache is written in place), "
+                        f"received {type(x).__module__}.{type(x).__name__}")
+
+
+def _shape(name: str, x: Any, want: tuple, rule: str) -> None:
+    """A ValueError unless ``x.shape`` matches ``want`` (None entries match anything)."""
+    if x.ndim != len(want) or any(w is not None and s != w for s, w in zip(x.shape, want)):
+        shown = tuple("*" if w is None else w for w in want)
+        raise ValueError(f"{name}: expected shape {shown} ({rule}), received {tuple(x.shape)}")
+
+
+def _seqlens(cache_seqlens: Any, batch: int, capacity: int) -> np.ndarray:
+    """cache_seqlens as host int64 (B,), each in [0, capacity]; all ``capacity`` when None."""
+    if cache_seqlens is None:
+        return np.full(batch, capacity, np.int64)
+    lens = host_array("cache_seqlens", cache_seqlens)
+    if lens.dtype.kind not in "iu":
+        raise TypeError(f"cache_seqlens: expected integers, received dtype {dtype_name(lens.dtype)}")
+    if lens.ndim > 1 or lens.size not in (1, batch):
+        raise ValueError(f"cache_seqlens: expected an int or a shape ({batch},) (one per sequence), "
+                         f"received {tuple(lens.shape)}")
+    lens = np.broadcast_to(lens.reshape(-1), (batch,)).astype(np.int64)
+    if batch and (lens.min() < 0 or lens.max() > capacity):
+        raise ValueError(f"cache_seqlens: expected values in [0, {capacity}] (the cache's capacity), "
+                         f"received values in [{lens.min()}, {lens.max()}]")
+    return lens
+
+
+def flash_attention_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    k: Any = None,
+    v: Any = None,
+    *,
+    cache_seqlens: Any = None,
+    block_table: Any = None,
+    causal: bool | str = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    alibi_slopes: Any = None,
+    softcap: float | None = None,
+    sinks: Any = None,
+    return_lse: bool = False,
+    allow_tf32: bool = False,
+    backend: str = "auto",
+):
+    """Attention of a few queries against a key/value cache, after appending new keys in place.
+
+    Args:
+        q: (B, Hq, Lq, D) queries (Lq = 1 for decoding; more for chunked prefill or
+            speculative decoding).
+        k_cache, v_cache: contiguous (B, Hk, Lmax, D) and (B, Hk, Lmax, Dv); or, with
+            ``block_table``, paged: (num_blocks, Hk, block_size, D) and (.., Dv). q's dtype
+            and array kind; Hq % Hk == 0 (GQA).
+        k, v: optional (B, Hk, Lnew, D) and (B, Hk, Lnew, Dv): written into the cache in place
+            at positions cache_seqlens[b] .. cache_seqlens[b] + Lnew - 1 (through block_table
+            when paged), then attended to. Writing past the cache's capacity is a ValueError
+            raised before anything is written.
+        cache_seqlens: int or (B,) ints, each sequence's valid keys before this call; not
+            modified (the caller advances it). Default: the whole capacity (Lmax, or
+            max_blocks * block_size).
+        block_table: (B, max_blocks) ints: sequence b's logical block n is physical block
+            block_table[b, n] of the paged cache.
+        causal, scale, window, alibi_slopes, softcap, sinks, return_lse, allow_tf32,
+            backend: as :func:`flashcupy.flash_attention`, over each sequence's keys: causal
+            is bottom-right, query row i sees keys <= i + keys - Lq, with keys =
+            cache_seqlens[b] + Lnew.
+
+    Returns:
+        out (B, Hq, Lq, Dv), and with ``return_lse`` also lse (B, Hq, Lq).
+    """
+    check_array("q", q)
+    xp = interop.array_module(q)
+    if not hasattr(q, "flags"):
+        raise TypeError(f"q: expected a NumPy or CuPy array, received {type(q).__module__}.{type(q).__name__}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _module(name, x, xp)
+    _shape("q", q, (None,) * 4, "B, Hq, Lq, D")
+    batch, _, _, d = q.shape
+    paged = block_table is not None
+    if paged:
+        _shape("k_cache", k_cache, (None, None, None, d), "num_blocks, Hk, block_size, D: paged, D as q's")
+        n_blocks, hk, block_size, _ = k_cache.shape
+        _shape("v_cache", v_cache, (n_blocks, hk, block_size, None), "num_blocks, Hk, block_size, Dv like k_cache")
+        table = host_array("block_table", block_table)
+        if table.dtype.kind not in "iu":
+            raise TypeError(f"block_table: expected integers, received dtype {dtype_name(table.dtype)}")
+        _shape("block_table", table, (batch, None), "B, max_blocks")
+        if table.size and (table.min() < 0 or table.max() >= n_blocks):
+            raise ValueError(f"block_table: expected block numbers in [0, {n_blocks - 1}], received values in "
+                             f"[{table.min()}, {table.max()}]")
+        capacity = table.shape[1] * block_size
+    else:
+        _shape("k_cache", k_cache, (batch, None, None, d), "B, Hk, Lmax, D as q's")
+        _, hk, capacity, _ = k_cache.shape
+        _shape("v_cache", v_cache, (batch, hk, capacity, None), "B, Hk, Lmax, Dv like k_cache")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected q's dtype {dtype_name(q.dtype)}, received {dtype_name(x.dtype)}")
+    lens = _seqlens(cache_seqlens, batch, capacity)
+    new = 0
+    if (k is None) != (v is None):
+        raise ValueError(f"k, v: expected both or neither, received {'k' if v is None else 'v'} alone")
+    if k is not None:
+        _module("k", k, xp)
+        _module("v", v, xp)
+        _shape("k", k, (batch, hk, None, d), "B, Hk, Lnew, D like the cache")
+        new = k.shape[2]
+        _shape("v", v, (batch, hk, new, v_cache.shape[-1]), "B, Hk, Lnew, Dv like k and v_cache")
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name}: expected q's dtype {dtype_name(q.dtype)}, received {dtype_name(x.dtype)}")
+        if batch and new and int(lens.max()) + new > capacity:
+            raise ValueError(f"k, v: {new} new keys after cache_seqlens up to {int(lens.max())} exceed the cache's "
+                             f"capacity of {capacity} keys a sequence; nothing was written")
+    total = lens + new  # each sequence's keys after the append
+    if new:
+        # (B, Lnew) positions; advanced indices around a slice put (B, Lnew) first: k as (B, Lnew, Hk, D)
+        pos = lens[:, None] + np.arange(new)
+        if paged:
+            rows = (xp.asarray(table[np.arange(batch)[:, None], pos // block_size]), xp.asarray(pos % block_size))
+        else:
+            rows = (xp.asarray(np.arange(batch)[:, None]), xp.asarray(pos))
+        k_cache[rows[0], :, rows[1]] = k.transpose(0, 2, 1, 3)
+        v_cache[rows[0], :, rows[1]] = v.transpose(0, 2, 1, 3)
+    keys = int(total.max()) if batch else 0
+    if paged:  # the blocks in use, gathered in logical order: (B, Hk, blocks * block_size, D)
+        used = xp.asarray(table[:, : -(-keys // block_size)])
+        k_seq, v_seq = (c[used].transpose(0, 2, 1, 3, 4).reshape(batch, hk, used.shape[1] * block_size,
+                                                                     c.shape[-1])[:, :, :keys]
+                        for c in (k_cache, v_cache))
+    else:
+        k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
+    return flash_attention(q, k_seq, v_seq, kv_lengths=total, causal=causal, scale=scale, window=window,
+                           alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, return_lse=return_lse,
+                           allow_tf32=allow_tf32, backend=backend)
+
+
+def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
+    """Attention over two disjoint key sets combined into attention over their union.
+
+    out_a, out_b: (..., H, L, Dv) of one dtype; lse_a, lse_b: (..., H, L), float32 or float64,
+    the natural-log log-sum-exp of each part (as ``return_lse`` gives it). Returns (out, lse):
+    lse = logaddexp(lse_a, lse_b) and out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse),
+    computed in lse's dtype and rounded to out's once. A part with lse = -inf (no key) adds
+    nothing; where both are -inf, out is 0 and lse -inf, never NaN. NumPy or CuPy arrays, all
+    of one kind, returned as that kind.
+    """
+    check_array("out_a", out_a)
+    xp = interop.array_module(out_a)
+    if not hasattr(out_a, "flags"):
+        raise TypeError(f"out_a: expected a NumPy or CuPy array, received {type(out_a).__module__}."
+                        f"{type(out_a).__name__}")
+    for name, x in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        _module(name, x, xp)
+    if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
+        raise ValueError(f"out_b: expected out_a's shape {tuple(out_a.shape)} and dtype {dtype_name(out_a.dtype)}, "
+                         f"received {tuple(out_b.shape)} {dtype_name(out_b.dtype)}")
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.shape != out_a.shape[:-1]:
+            raise ValueError(f"{name}: expected shape {tuple(out_a.shape[:-1])} (out's without Dv), "
+                             f"received {tuple(x.shape)}")
+        if x.dtype not in (np.float32, np.float64) or x.dtype != lse_a.dtype:
+            raise TypeError(f"{name}: expected float32 or float64 like lse_a, received {dtype_name(x.dtype)}")
+    lse = xp.logaddexp(lse_a, lse_b)
+    base = xp.where(lse != -np.inf, lse, 0)  # both parts empty: exp(-inf - 0) = 0 weights, out 0
+    acc = np.float64 if np.float64 in (lse.dtype, out_a.dtype) else np.float32
+    out = (out_a.astype(acc) * xp.exp(lse_a - base)[..., None] + out_b.astype(acc) * xp.exp(lse_b - base)[..., None])
+    return out.astype(out_a.dtype, copy=False), lse

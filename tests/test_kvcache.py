@@ -1,0 +1,192 @@
+"""flash_attention_with_kvcache (contiguous and paged caches, the in-place append) and
+merge_attention_states, against the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import flashcupy as fc
+
+from support import F16, F32, F64, assert_rule
+
+
+def _paged(k_cache: np.ndarray, v_cache: np.ndarray, block_size: int, rs: np.random.Generator):
+    """Contiguous (B, Hk, Lmax, D / Dv) caches as paged ones, (num_blocks, Hk, block_size, D / Dv)
+    in one shuffled block order with spare blocks of noise, and their (B, max_blocks) table."""
+    b, hk, lmax, _ = k_cache.shape
+    per_seq = -(-lmax // block_size)
+    order = rs.permutation(b * per_seq + 3)
+    table = order[: b * per_seq].reshape(b, per_seq).astype(np.int32)
+    paged = []
+    for cache in (k_cache, v_cache):
+        pages = rs.standard_normal((len(order), hk, block_size, cache.shape[-1])).astype(cache.dtype)
+        padded = np.zeros((b, hk, per_seq * block_size, cache.shape[-1]), cache.dtype)
+        padded[:, :, :lmax] = cache
+        for s in range(b):
+            for n in range(per_seq):
+                pages[table[s, n]] = padded[s, :, n * block_size : (n + 1) * block_size]
+        paged.append(pages)
+    return paged[0], paged[1], table
+
+
+@st.composite
+def decode_calls(draw):
+    dtype = draw(st.sampled_from([F16, F32, F64]))
+    batch, hk = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    hq = hk * draw(st.sampled_from([1, 2, 4]))
+    lq, new, lmax = draw(st.integers(1, 5)), draw(st.integers(0, 4)), draw(st.integers(8, 70))
+    d, dv = draw(st.sampled_from([8, 40, 64])), draw(st.sampled_from([8, 24]))
+    rs = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    lens = rs.integers(0, lmax - new + 1, batch)
+    options = {}
+    if draw(st.booleans()):
+        options["causal"] = True
+    if draw(st.booleans()):
+        options["window"] = (draw(st.integers(0, 9)), draw(st.integers(0, 3)))
+    if draw(st.booleans()):
+        options["alibi_slopes"] = rs.uniform(0, 0.5, hq)
+    if draw(st.booleans()):
+        options["softcap"] = 5.0
+    if draw(st.booleans()):
+        options["sinks"] = rs.standard_normal(hq)
+    block_size = draw(st.sampled_from([None, 1, 8, 16]))
+    arrays = [rs.standard_normal(shape).astype(dtype) for shape in
+              ((batch, hq, lq, d), (batch, hk, lmax, d), (batch, hk, lmax, dv), (batch, hk, new, d),
+               (batch, hk, new, dv))]
+    return arrays, lens, block_size, options, rs
+
+
+def _reference(q, k_cache, v_cache, k, v, lens, options):
+    """Per sequence: the reference over its valid keys, then the new ones."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        keys = np.concatenate([k_cache[b, :, : lens[b]], k[b]], axis=1)
+        values = np.concatenate([v_cache[b, :, : lens[b]], v[b]], axis=1)
+        out, lse = fc.attention_reference(q[b], keys, values, return_lse=True, **options)
+        outs.append(out)
+        lses.append(lse)
+    return np.stack(outs), np.stack(lses)
+
+
+@settings(max_examples=40, deadline=None)
+@given(decode_calls())
+def test_kvcache_matches_the_reference_and_appends_in_place(call):
+    (q, k_cache, v_cache, k, v), lens, block_size, options, rs = call
+    before = (k_cache.copy(), v_cache.copy())
+    ref_out, ref_lse = _reference(q, k_cache, v_cache, k, v, lens, options)
+    if block_size is None:
+        caches, table = (k_cache, v_cache), None
+    else:
+        *caches, table = _paged(k_cache, v_cache, block_size, rs)
+    new = k.shape[2]
+    out, lse = fc.flash_attention_with_kvcache(q, *caches, k if new else None, v if new else None, cache_seqlens=lens,
+                                               block_table=table, return_lse=True, backend="cpu", **options)
+    assert out.shape == q.shape[:-1] + (v.shape[-1],) and out.dtype == q.dtype
+    assert_rule("out", out, ref_out, ref_out, q.dtype, 1.0)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    if block_size is None and new:  # written where the sequence continues, nowhere else
+        for b in range(q.shape[0]):
+            s = lens[b]
+            np.testing.assert_array_equal(k_cache[b, :, s : s + new], k[b])
+            np.testing.assert_array_equal(v_cache[b, :, s : s + new], v[b])
+            np.testing.assert_array_equal(k_cache[b, :, :s], before[0][b, :, :s])
+            np.testing.assert_array_equal(k_cache[b, :, s + new :], before[0][b, :, s + new :])
+
+
+def _cache(rs, batch=2, hk=2, lmax=16, d=8, dtype=F32):
+    return [rs.standard_normal(s).astype(dtype) for s in ((batch, 4, 1, d), (batch, hk, lmax, d), (batch, hk, lmax, d),
+                                                           (batch, hk, 3, d), (batch, hk, 3, d))]
+
+
+def test_overflowing_append_is_refused_before_writing():
+    q, kc, vc, k, v = _cache(np.random.default_rng(0))
+    before = kc.copy()
+    with pytest.raises(ValueError, match="exceed the cache's capacity of 16 keys"):
+        fc.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=[10, 14], backend="cpu")
+    np.testing.assert_array_equal(kc, before)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: {**a, "k": None}, ValueError, "k, v: expected both or neither"),
+    (lambda a: {**a, "cache_seqlens": [1, 2, 3]}, ValueError, r"cache_seqlens: expected an int or a shape \(2,\)"),
+    (lambda a: {**a, "cache_seqlens": [1, 17]}, ValueError, r"cache_seqlens: expected values in \[0, 16\]"),
+    (lambda a: {**a, "cache_seqlens": [1.5, 2.0]}, TypeError, "cache_seqlens: expected integers"),
+    (lambda a: {**a, "k_cache": a["k_cache"][:, :, :, :4]}, ValueError, "k_cache: expected shape"),
+    (lambda a: {**a, "v_cache": a["v_cache"].astype(F64)}, TypeError, "v_cache: expected q's dtype float32"),
+    (lambda a: {**a, "k_cache": a["k_cache"].tolist()}, TypeError, "k_cache: expected an array, received list"),
+    (lambda a: {**a, "block_table": np.zeros((2, 2), F32)}, TypeError, "block_table: expected integers"),
+    (lambda a: {**a, "block_table": np.zeros((3, 2), np.int32)}, ValueError, "block_table: expected shape"),
+])
+def test_bad_arguments_name_themselves(change, error, match):
+    q, kc, vc, k, v = _cache(np.random.default_rng(1))
+    args = change({"q": q, "k_cache": kc, "v_cache": vc, "k": k, "v": v, "cache_seqlens": [1, 2]})
+    with pytest.raises(error, match=match):
+        fc.flash_attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("k"),
+                                        args.pop("v"), backend="cpu", **args)
+
+
+def test_block_table_out_of_range():
+    rs = np.random.default_rng(2)
+    q = rs.standard_normal((1, 2, 1, 8)).astype(F32)
+    pages = rs.standard_normal((4, 2, 8, 8)).astype(F32)
+    with pytest.raises(ValueError, match=r"block_table: expected block numbers in \[0, 3\]"):
+        fc.flash_attention_with_kvcache(q, pages, pages, block_table=[[0, 4]], backend="cpu")
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(0, 12), st.sampled_from([F16, F32, F64]))
+@example(0, 0, F32)  # one part with no key at all
+def test_merge_of_two_key_sets_is_attention_over_both(seed, split, dtype):
+    rs = np.random.default_rng(seed)
+    q = rs.standard_normal((2, 3, 5, 16)).astype(dtype)
+    k, v = (rs.standard_normal((2, 3, 12, 16)).astype(dtype) for _ in range(2))
+    parts = [fc.flash_attention(q, k[:, :, a:b], v[:, :, a:b], return_lse=True, backend="cpu")
+             for a, b in ((0, split), (split, 12))]
+    out, lse = fc.merge_attention_states(*parts[0], *parts[1])
+    whole, whole_lse = fc.attention_reference(q, k, v, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == parts[0][1].dtype
+    assert_rule("out", out, whole, whole, dtype, 1.0)
+    np.testing.assert_allclose(lse, whole_lse, rtol=1e-5)
+
+
+def test_merge_of_empty_parts_is_zero_never_nan():
+    out = np.ones((1, 2, 3, 4), F32)
+    empty = np.full((1, 2, 3), -np.inf, F32)
+    merged, lse = fc.merge_attention_states(out, empty, out * 2, empty)
+    assert np.all(merged == 0) and np.all(lse == -np.inf)
+    merged, lse = fc.merge_attention_states(out, empty, out * 2, np.zeros((1, 2, 3), F32))
+    assert np.all(merged == 2) and np.all(lse == 0)
+
+
+def test_merge_checks_its_arguments():
+    out, lse = np.ones((2, 3, 4), F32), np.zeros((2, 3), F32)
+    with pytest.raises(ValueError, match="out_b: expected out_a's shape"):
+        fc.merge_attention_states(out, lse, out[:1], lse)
+    with pytest.raises(ValueError, match=r"lse_b: expected shape \(2, 3\)"):
+        fc.merge_attention_states(out, lse, out, lse[:1])
+    with pytest.raises(TypeError, match="lse_b: expected float32 or float64 like lse_a"):
+        fc.merge_attention_states(out, lse, out, lse.astype(F16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_on_the_gpu_writes_the_device_cache(paged):
+    import cupy
+
+    rs = np.random.default_rng(3)
+    q, kc, vc, k, v = _cache(rs, dtype=F16)
+    lens = np.array([4, 9])
+    ref_out, _ = _reference(q, kc, vc, k, v, lens, {"causal": True})
+    if paged:
+        kp, vp, table = _paged(kc, vc, 4, rs)
+        caches = (cupy.asarray(kp), cupy.asarray(vp))
+    else:
+        caches, table = (cupy.asarray(kc), cupy.asarray(vc)), None
+    out = fc.flash_attention_with_kvcache(cupy.asarray(q), *caches, cupy.asarray(k), cupy.asarray(v),
+                                          cache_seqlens=lens, block_table=table, causal=True)
+    assert isinstance(out, cupy.ndarray)
+    assert_rule("out", out.get(), ref_out, ref_out, F16, 1.0)
+    if not paged:
+        np.testing.assert_array_equal(caches[0].get()[1, :, 9:12], k[1])
