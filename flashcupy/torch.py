@@ -1,7 +1,10 @@
-"""PyTorch autograd for flashcupy: ``flashcupy.torch.flash_attention(q, k, v, **options)``.
+"""PyTorch operators for flashcupy: ``flashcupy.torch.flash_attention(q, k, v, **options)``.
 
-A ``torch.autograd.Function`` over flashcupy's forward and backward, for torch
-tensors on a CUDA device or on the CPU::
+flashcupy's forward and backward as torch operators (``torch.library.custom_op``:
+``flashcupy::attention`` and ``flashcupy::attention_backward``, with fake functions
+for tracing and the backward registered as the forward's autograd), for torch
+tensors on a CUDA device or on the CPU; ``torch.compile(fullgraph=True)`` traces
+a model that calls them without a graph break::
 
     import flashcupy.torch as fct
 
@@ -43,12 +46,11 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 from . import api as _api
 from . import rng as _rng
-from .problem import check_dropout as _check_dropout
+from .problem import check_causal as _check_causal
+from .problem import check_window as _check_window
+from .problem.options import with_defaults as _with_defaults
 
 __all__ = ["flash_attention", "flash_attention_varlen"]
-
-#: Positions of the tensors autograd tracks in ``_FlashAttention.apply``.
-_GRAD_INPUTS = ("q", "k", "v", "bias")
 
 
 # --------------------------------------------------------------------------- conversion
@@ -90,10 +92,6 @@ def _to_tensor(a: Any) -> torch.Tensor:
     return torch.from_dlpack(a)
 
 
-def _arrays(options: dict[str, Any]) -> dict[str, Any]:
-    return {name: _to_array(value) for name, value in options.items()}
-
-
 # --------------------------------------------------------------------------- streams
 
 
@@ -122,7 +120,14 @@ def _on_device(device: torch.device):
         yield
 
 
-# --------------------------------------------------------------------------- autograd
+# --------------------------------------------------------------------------- custom ops
+
+#: The array options an op takes as tensors (each Optional[Tensor] in its schema).
+_TENSOR_OPTIONS = ("mask", "bias", "alibi_slopes", "sinks", "q_lengths", "kv_lengths", "block_mask", "cu_seqlens_q",
+                   "cu_seqlens_k")
+#: causal as an int in the schema.
+_CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
+_CAUSAL_BACK = {0: False, 1: "bottom_right", 2: "top_left"}
 
 
 def _check_tensors(q: Any, k: Any, v: Any, bias: Any) -> None:
@@ -136,48 +141,150 @@ def _check_tensors(q: Any, k: Any, v: Any, bias: Any) -> None:
             raise ValueError(f"{name}: expected a tensor on {q.device} like q, received one on {x.device}")
 
 
-class _FlashAttention(torch.autograd.Function):
-    """out, lse = flashcupy forward; grads of q, k, v, bias and sinks from flashcupy's backward."""
+def _as_tensor(value: Any) -> torch.Tensor:
+    """An array option as a tensor: torch tensors as they are, NumPy and CuPy arrays sharing
+    their memory, lists and numbers through NumPy."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray) or type(value).__module__.split(".")[0] == "cupy":
+        return _to_tensor(value)
+    return torch.as_tensor(np.asarray(value))
 
-    @staticmethod
-    def forward(ctx, q, k, v, bias, sinks, options, deterministic):
-        with _on_device(q.device):
-            out, lse = _api.flash_attention_forward(
-                _to_array(q), _to_array(k), _to_array(v), bias=_to_array(bias), sinks=_to_array(sinks),
-                **_arrays(options)
-            )
-            out, lse = _to_tensor(out), _to_tensor(lse)
-        tensor_bias = bias if isinstance(bias, torch.Tensor) else None
-        tensor_sinks = sinks if isinstance(sinks, torch.Tensor) else None
-        ctx.save_for_backward(q, k, v, tensor_bias, tensor_sinks, out, lse)
-        ctx.bias = None if tensor_bias is not None else bias
-        ctx.sinks = None if tensor_sinks is not None else sinks
-        ctx.options = options
-        ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
-        q, k, v, tensor_bias, tensor_sinks, out, lse = ctx.saved_tensors
-        bias = tensor_bias if tensor_bias is not None else ctx.bias
-        sinks = tensor_sinks if tensor_sinks is not None else ctx.sinks
-        bias_grad = bool(ctx.needs_input_grad[3])
-        with _on_device(q.device):
-            grads = _api.flash_attention_backward(
-                _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
-                bias=_to_array(bias), bias_grad=bias_grad, sinks=_to_array(sinks), deterministic=ctx.deterministic,
-                **_arrays(ctx.options),
-            )
-            grads = [_to_tensor(g) for g in grads]
-        # (dq, dk, dv), then dbias with bias_grad, then dsinks with sinks (float64 on the arrays' device)
-        dbias = grads[3] if bias_grad else None
-        dsinks = grads[-1] if sinks is not None else None
-        if dsinks is not None and tensor_sinks is not None:
-            dsinks = dsinks.to(dtype=tensor_sinks.dtype, device=tensor_sinks.device)
-        grads = [g if needed else None for g, needed in zip((*grads[:3], dbias, dsinks), ctx.needs_input_grad)]
-        return (*grads, None, None)
+def _encode(options: dict[str, Any], q: torch.Tensor, k: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the array options as tensors, the others as the ops' scalar arguments), after the checks
+    an encoding needs (option names, causal, window: flashcupy's own, with its messages); the
+    op checks everything again. Encoded: causal as an int, window as two ints with -1 for None,
+    the 64-bit seed as two 32-bit halves."""
+    o = _with_defaults(options)
+    tensors = {name: None if o[name] is None else _as_tensor(o[name]) for name in _TENSOR_OPTIONS}
+    causal = _check_causal(o["causal"])
+    window = o["window"]
+    if window is not None:
+        _check_window(window, q.shape[-2], k.shape[-2])
+    left, right = (None, None) if window is None else window
+    seed = o["seed"]
+    scalars = {
+        "causal": _CAUSAL[causal],
+        "has_window": window is not None,
+        "window_left": -1 if left is None else int(left),
+        "window_right": -1 if right is None else int(right),
+        "scale": None if o["scale"] is None else float(o["scale"]),
+        "softcap": None if o["softcap"] is None else float(o["softcap"]),
+        "block_size": o["block_size"],
+        "dropout_p": float(o["dropout_p"]),
+        "seed_hi": -1 if seed is None else int(seed) >> 32,
+        "seed_lo": -1 if seed is None else int(seed) & 0xFFFFFFFF,
+        "dropout_offset": int(o["dropout_offset"]),
+        "allow_tf32": bool(o["allow_tf32"]),
+        "backend": o["backend"],
+    }
+    return tensors, scalars
+
+
+def _decode(tensors: dict[str, Any], scalars: dict[str, Any]) -> dict[str, Any]:
+    """The keyword options of flashcupy's functions from an op's arguments."""
+    options = {name: _to_array(t) for name, t in tensors.items() if t is not None}
+    options["causal"] = _CAUSAL_BACK[scalars["causal"]]
+    if scalars["has_window"]:
+        options["window"] = tuple(None if x < 0 else x for x in (scalars["window_left"], scalars["window_right"]))
+    for name in ("scale", "softcap", "block_size", "dropout_p", "dropout_offset", "allow_tf32", "backend"):
+        if scalars[name] is not None:
+            options[name] = scalars[name]
+    if scalars["seed_hi"] >= 0:
+        options["seed"] = scalars["seed_hi"] << 32 | scalars["seed_lo"]
+    return options
+
+
+@torch.library.custom_op("flashcupy::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  bias: torch.Tensor | None, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+                  q_lengths: torch.Tensor | None, kv_lengths: torch.Tensor | None, block_mask: torch.Tensor | None,
+                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, causal: int, has_window: bool,
+                  window_left: int, window_right: int, scale: float | None, softcap: float | None,
+                  block_size: int | None, dropout_p: float, seed_hi: int, seed_lo: int, dropout_offset: int,
+                  allow_tf32: bool, backend: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """flashcupy's forward as a torch operator: (out, lse); ``deterministic`` is for its backward."""
+    args = locals()
+    tensors = {name: args[name] for name in _TENSOR_OPTIONS}
+    options = _decode(tensors, {name: args[name] for name in _SCALARS})
+    with _on_device(q.device):
+        out, lse = _api.flash_attention_forward(_to_array(q), _to_array(k), _to_array(v), **options)
+        return _to_tensor(out), _to_tensor(lse)
+
+
+#: The ops' scalar arguments, in schema order.
+_SCALARS = ("causal", "has_window", "window_left", "window_right", "scale", "softcap", "block_size", "dropout_p",
+            "seed_hi", "seed_lo", "dropout_offset", "allow_tf32", "backend")
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, *rest):
+    """out (q's shape with v's head dim, q's dtype) and lse (q's shape without the head dim,
+    float32; float64 for float64 inputs), as every flashcupy forward gives them."""
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=lse_dtype)
+
+
+@torch.library.custom_op("flashcupy::attention_backward", mutates_args=())
+def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None,
+                           alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+                           q_lengths: torch.Tensor | None, kv_lengths: torch.Tensor | None,
+                           block_mask: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                           cu_seqlens_k: torch.Tensor | None, causal: int, has_window: bool, window_left: int,
+                           window_right: int, scale: float | None, softcap: float | None, block_size: int | None,
+                           dropout_p: float, seed_hi: int, seed_lo: int, dropout_offset: int, allow_tf32: bool,
+                           backend: str, bias_grad: bool, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                         torch.Tensor, torch.Tensor,
+                                                                                         torch.Tensor]:
+    """flashcupy's backward as a torch operator: (dq, dk, dv, dbias, dsinks); dbias and dsinks
+    are empty (0 elements) where not asked for or not given. dsinks has the sinks' dtype."""
+    args = locals()
+    tensors = {name: args[name] for name in _TENSOR_OPTIONS}
+    options = _decode(tensors, {name: args[name] for name in _SCALARS})
+    with _on_device(q.device):
+        grads = _api.flash_attention_backward(
+            _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
+            bias_grad=bias_grad, deterministic=deterministic, **options)
+        grads = [_to_tensor(g) for g in grads]
+    dbias = grads[3] if bias_grad else q.new_empty(0)
+    dsinks = grads[-1].to(dtype=sinks.dtype, device=sinks.device) if sinks is not None else q.new_empty(0)
+    return grads[0], grads[1], grads[2], dbias, dsinks
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, mask, bias, alibi_slopes, sinks, *rest):
+    bias_grad = rest[-2]
+    dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
+    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsinks
+
+
+def _setup_context(ctx, inputs, output):
+    names = ("q", "k", "v", *_TENSOR_OPTIONS, *_SCALARS, "deterministic")
+    args = dict(zip(names, inputs))
+    out, lse = output
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse,
+                          *(args[name] for name in _TENSOR_OPTIONS))
+    ctx.scalars = {name: args[name] for name in _SCALARS}
+    ctx.deterministic = args["deterministic"]
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    options = dict(zip(_TENSOR_OPTIONS, tensors))
+    bias_grad = bool(ctx.needs_input_grad[3 + _TENSOR_OPTIONS.index("bias")])
+    dq, dk, dv, dbias, dsinks = _attention_backward_op(
+        dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, out, lse, *tensors, **ctx.scalars,
+        bias_grad=bias_grad, deterministic=ctx.deterministic)
+    grads = {"bias": dbias if bias_grad else None,
+             "sinks": dsinks if options["sinks"] is not None else None}
+    return (dq, dk, dv, *(grads.get(name) for name in _TENSOR_OPTIONS), *(None for _ in _SCALARS), None)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: Any = None, sinks: Any = None,
@@ -209,7 +316,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
         **options: as above. Array options (mask, lengths, slopes, block_mask,
             cu_seqlens) may be torch tensors, NumPy or CuPy arrays; they get no
             gradient. With ``dropout_p > 0`` and no ``seed``, one is drawn at the
-            forward (``flashcupy.rng.new_seed``) and reused by the backward.
+            forward (``flashcupy.rng.new_seed``) and reused by the backward; under
+            ``torch.compile`` pass the seed (a traced draw would be a constant).
 
     Returns:
         out (..., Hq, Lq, Dv), a tensor of q's dtype on q's device; with
@@ -217,7 +325,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
         (float64 for float64 inputs) and carries no gradient.
 
     Double backward is not supported. bfloat16 CPU tensors are supported
-    (through ``ml_dtypes.bfloat16``, no change of dtype).
+    (through ``ml_dtypes.bfloat16``, no change of dtype). The forward and the
+    backward are the torch operators ``flashcupy::attention`` and
+    ``flashcupy::attention_backward`` (``torch.library.custom_op``, with fake
+    functions), so ``torch.compile(fullgraph=True)`` traces through them.
     """
     _check_tensors(q, k, v, bias)
     return_lse = options.pop("return_lse", False)
@@ -227,10 +338,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
         deterministic = torch.are_deterministic_algorithms_enabled()
     elif not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool or None, received {deterministic!r}")
-    p, seed, _ = _check_dropout(options.get("dropout_p", 0.0), options.get("seed"), options.get("dropout_offset", 0))
-    if p > 0 and seed is None:
+    p = options.get("dropout_p", 0.0)  # the op checks it, and every option, with flashcupy's messages
+    if isinstance(p, (int, float)) and p > 0 and options.get("seed") is None:
         options["seed"] = _rng.new_seed()  # drawn once here, reused by the backward
-    out, lse = _FlashAttention.apply(q, k, v, bias, sinks, options, deterministic)
+    tensors, scalars = _encode({**options, "bias": bias, "sinks": sinks}, q, k)
+    out, lse = _attention_op(q, k, v, **tensors, **scalars, deterministic=deterministic)
     return (out, lse) if return_lse else out
 
 

@@ -528,3 +528,51 @@ def test_cuda_dropout_matches_cpu_backend() -> None:
 def test_training_step_cuda() -> None:
     losses = _train("cuda")
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+def _op_args(data_seed: int = 30, **extra):
+    q = _randn((2, 2, 5, 4), seed=data_seed)
+    k = _randn((2, 1, 7, 4), seed=data_seed + 1)
+    v = _randn((2, 1, 7, 3), seed=data_seed + 2)
+    tensors, scalars = fct._encode({"causal": True, **extra}, q, k)
+    return (q, k, v), tensors, scalars
+
+
+@pytest.mark.parametrize("extra", [{}, {"bias": _randn((5, 7), seed=40), "sinks": _randn((2,), seed=41)},
+                                   {"window": (2, None), "softcap": 3.0, "dropout_p": 0.3, "seed": 2**64 - 5}])
+def test_ops_pass_torch_library_opcheck(extra) -> None:
+    """Schema, fake functions (shapes and dtypes without running), autograd registration."""
+    (q, k, v), tensors, scalars = _op_args(**extra)
+    torch.library.opcheck(fct._attention_op, (q, k, v), {**tensors, **scalars, "deterministic": False})
+    out, lse = fct._attention_op(q, k, v, **tensors, **scalars, deterministic=False)
+    dout = torch.ones_like(out)
+    # the backward has no autograd of its own (no double backward): its schema and fake function
+    torch.library.opcheck(fct._attention_backward_op, (dout, q, k, v, out, lse),
+                          {**tensors, **scalars, "bias_grad": tensors["bias"] is not None, "deterministic": False},
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fullgraph_compile_has_no_graph_break() -> None:
+    q, k, v = (_randn((2, 2, 6, 4), seed=s) for s in (50, 51, 52))
+    bias = _randn((6, 6), seed=53)
+
+    def step(q, k, v, bias):
+        return fct.flash_attention(q, k, v, bias=bias, causal=True, window=(3, None)).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v, bias)
+    grads = torch.autograd.grad(loss, (q, k, v, bias))
+    want = torch.autograd.grad(step(q, k, v, bias), (q, k, v, bias))
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_compile_with_dynamic_shapes() -> None:
+    compiled = torch.compile(lambda q, k, v: fct.flash_attention(q, k, v, causal=True), fullgraph=True,
+                             backend="aot_eager", dynamic=True)
+    for length in (5, 9, 17):
+        q, k, v = (_randn((1, 2, length, 8), seed=length + s, requires_grad=False) for s in range(3))
+        torch.testing.assert_close(compiled(q, k, v), fct.flash_attention(q, k, v, causal=True), rtol=0, atol=0)
