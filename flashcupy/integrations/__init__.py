@@ -1,0 +1,1 @@
+"""Adapters that plug flashcupy into other libraries (each imports its library on use)."""
