@@ -122,8 +122,8 @@ def check_attention_impl(fn: Callable[..., Any], dtypes: Sequence[str] = tuple(D
     when PyTorch sees a GPU, else on the CPU) with the array options of that kind too,
     and checks the output with :func:`assert_attention_close`'s rule. With
     ``grads=True``, ``fn`` returns ``(out, vjp)`` and ``vjp(dout)`` returns (dq, dk, dv),
-    or (dq, dk, dv, dbias) to have dbias checked as well; every gradient is checked
-    against the reference backward.
+    or (dq, dk, dv) then dbias with a bias and dsinks with sinks to have those checked as
+    well; every gradient is checked against the reference backward.
 
     ``fn`` may call ``hypothesis.assume(condition)`` to pass over problems it does not
     support (an option value, a shape), as in any Hypothesis test. On a failure Hypothesis
