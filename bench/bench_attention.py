@@ -319,6 +319,23 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-")
 
 
+def git_commit(path: Path = BENCH_DIR) -> str:
+    """The short commit of the checkout holding ``path``, or 'unknown' (a copy without git
+    history: pass the benchmarks' --commit there)."""
+    try:
+        return subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, suite: str) -> None:
+    """The arguments every suite script shares: --commit, --out and --dry-run."""
+    parser.add_argument("--commit", help="the measured commit, where git history did not travel with the tree")
+    parser.add_argument("--out", type=Path, help=f"JSON path (default bench/results/<gpu>-<date>-{suite}.json)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+
+
 def default_out_path(gpu: str, date: str) -> Path:
     """bench/results/<gpu slug>-<date>.json."""
     return RESULTS_DIR / f"{gpu_slug(gpu)}-{date}.json"

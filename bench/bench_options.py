@@ -57,16 +57,14 @@ import datetime
 import json
 import math
 import statistics
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from bench_attention import (
-    RESULTS_DIR, SDPA_BACKENDS, TOLERANCE, Config, attempt, gpu_slug, release_memory, time_calls,
-    torch_stream_for_cupy,
+    RESULTS_DIR, SDPA_BACKENDS, TOLERANCE, Config, add_run_arguments, attempt, git_commit, gpu_slug, release_memory,
+    time_calls, torch_stream_for_cupy,
 )
 
 OPTIONS = ("plain", "bias", "mask", "alibi", "softcap", "dropout", "window", "sinks", "bias+mask+dropout")
@@ -389,14 +387,6 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=["options"], default="options", help="the only suite of this script")
@@ -414,9 +404,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--commit", help="the measured commit, where git history did not travel with the tree")
-    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/<gpu>-<date>-options.json)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    add_run_arguments(parser, "options")
     return parser.parse_args(argv)
 
 
@@ -437,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     out = args.out or RESULTS_DIR / f"{gpu_slug(gpu)}-{date}-options.json"
-    doc: dict[str, Any] = {"gpu": gpu, "date": date, "commit": args.commit or _commit(), "cupy": cupy.__version__,
+    doc: dict[str, Any] = {"gpu": gpu, "date": date, "commit": args.commit or git_commit(), "cupy": cupy.__version__,
                            "torch": torch.__version__, "suite": "options", "argv": sys.argv[1:] if argv is None
                            else list(argv), "rows": [], "skipped": [], "failures": []}
     with torch_stream_for_cupy():

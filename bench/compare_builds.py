@@ -28,11 +28,11 @@ import datetime
 import importlib.util
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from bench_attention import git_commit  # bench/, the script's directory, is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID_16 = {"dtypes": ("float16", "bfloat16"), "dims": (64, 128, 256), "lengths": (1024, 4096, 16384)}
@@ -48,14 +48,6 @@ def load_base(path: Path):
     sys.modules["flashcupy_base"] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _commit(path: Path) -> str:
-    try:
-        return subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def cells(quick: bool):
@@ -170,8 +162,8 @@ def main(argv=None) -> int:
     today = datetime.date.today().isoformat()
     from flashcupy.cuda.compile import source_hash
 
-    result = {"gpu": gpu, "date": today, "commit": args.commit or _commit(ROOT),
-              "base_commit": args.base_commit or _commit(args.base), "kernel_hash": source_hash(),
+    result = {"gpu": gpu, "date": today, "commit": args.commit or git_commit(ROOT),
+              "base_commit": args.base_commit or git_commit(args.base), "kernel_hash": source_hash(),
               "base_kernel_hash": base.cuda.compile.source_hash(),
               "cupy": cp.__version__, "torch": None, "suite": "core", "rows": rows, "summary": summary}
     out = args.out or ROOT / "bench" / "results" / f"{gpu.lower().replace(' ', '-')}-{today}-builds.json"

@@ -571,7 +571,8 @@ def precompile_command(args: argparse.Namespace) -> int:
 
 BENCH_SCRIPT = Path("bench") / "bench_attention.py"
 #: The scripts of the suites bench_attention.py does not run: bench ... --suite NAME.
-SUITE_SCRIPTS = {"cpu": Path("bench") / "bench_cpu.py", "options": Path("bench") / "bench_options.py"}
+SUITE_SCRIPTS = {"cpu": Path("bench") / "bench_cpu.py", "options": Path("bench") / "bench_options.py",
+                 "overhead": Path("bench") / "bench_overhead.py"}
 
 
 def find_bench_script(roots: Sequence[Path] | None = None, relative: Path = BENCH_SCRIPT) -> Path | None:

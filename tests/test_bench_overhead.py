@@ -1,0 +1,30 @@
+"""bench/bench_overhead.py without a GPU: its plan through the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import flashcupy.__main__ as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _plan(*args: str) -> list[list[str]]:
+    out = subprocess.run([sys.executable, "-m", "flashcupy", "bench", "--suite", "overhead", "--dry-run", *args],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return [line.split() for line in out.splitlines()]
+
+
+def test_cli_routes_the_overhead_suite_to_bench_overhead() -> None:
+    assert cli.find_bench_script([ROOT], relative=cli.SUITE_SCRIPTS["overhead"]) == ROOT / "bench" / "bench_overhead.py"
+
+
+def test_plan_has_both_paths_beside_sdpa_on_a_gpu_and_the_torch_path_on_a_cpu() -> None:
+    gpu = _plan("--device", "cuda")
+    assert len(gpu) == 3 * 2 * 3  # shapes x modes x (cupy, torch, sdpa)
+    assert {(line[0], line[1]) for line in gpu} == {("flashcupy", "cupy"), ("flashcupy", "torch"), ("sdpa", "torch")}
+    assert {line[2] for line in gpu} == {"fwd", "fwd+bwd"}
+    cpu = _plan("--device", "cpu")
+    assert {(line[0], line[1]) for line in cpu} == {("flashcupy", "torch"), ("sdpa", "torch")}
