@@ -46,9 +46,15 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 from . import api as _api
 from . import rng as _rng
+from .problem import INT32_LIST_OPTIONS as _INT32_LISTS
 from .problem import check_causal as _check_causal
 from .problem import check_window as _check_window
+from .problem.options import _check_dropout  # uncached: torch.compile traces it
+from .problem.options import _scale as _check_scale
+from .problem.options import _softcap as _check_softcap
+from .problem.options import check_backend as _check_backend
 from .problem.options import with_defaults as _with_defaults
+from .problem.validate import is_int as _is_int
 
 __all__ = ["flash_attention", "flash_attention_varlen"]
 
@@ -141,14 +147,24 @@ def _check_tensors(q: Any, k: Any, v: Any, bias: Any) -> None:
             raise ValueError(f"{name}: expected a tensor on {q.device} like q, received one on {x.device}")
 
 
-def _as_tensor(value: Any) -> torch.Tensor:
-    """An array option as a tensor: torch tensors as they are, NumPy and CuPy arrays sharing
-    their memory, lists and numbers through NumPy."""
+def _as_tensor(name: str, value: Any) -> torch.Tensor:
+    """An array option as a tensor: torch tensors as they are, CuPy arrays sharing their memory,
+    NumPy arrays too where torch can view them (else a native-order contiguous copy), lists and
+    numbers through NumPy; cu_seqlens lists as int32, as flashcupy takes them."""
     if isinstance(value, torch.Tensor):
         return value
-    if isinstance(value, np.ndarray) or type(value).__module__.split(".")[0] == "cupy":
+    if type(value).__module__.split(".")[0] == "cupy":
         return _to_tensor(value)
-    return torch.as_tensor(np.asarray(value))
+    if not isinstance(value, np.ndarray):
+        value = np.asarray(value)
+        if name in _INT32_LISTS and value.dtype.kind in "iu" and value.size and (
+                value.min() >= -2**31 and value.max() < 2**31):
+            value = value.astype(np.int32)
+    if not value.dtype.isnative:
+        value = value.astype(value.dtype.newbyteorder("="))
+    if any(s < 0 for s in value.strides) or value.dtype.kind not in "biuf" and value.dtype != _bf16_numpy():
+        value = np.ascontiguousarray(value)  # torch.from_numpy refuses negative strides
+    return _to_tensor(value)
 
 
 def _encode(options: dict[str, Any], q: torch.Tensor, k: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -157,27 +173,35 @@ def _encode(options: dict[str, Any], q: torch.Tensor, k: torch.Tensor) -> tuple[
     op checks everything again. Encoded: causal as an int, window as two ints with -1 for None,
     the 64-bit seed as two 32-bit halves."""
     o = _with_defaults(options)
-    tensors = {name: None if o[name] is None else _as_tensor(o[name]) for name in _TENSOR_OPTIONS}
+    tensors = {name: None if o[name] is None else _as_tensor(name, o[name]) for name in _TENSOR_OPTIONS}
     causal = _check_causal(o["causal"])
     window = o["window"]
     if window is not None:
         _check_window(window, q.shape[-2], k.shape[-2])
     left, right = (None, None) if window is None else window
-    seed = o["seed"]
+    dropout_p, seed, offset = _check_dropout(o["dropout_p"], o["seed"], o["dropout_offset"])
+    if o["scale"] is not None:
+        _check_scale(o["scale"], q.shape[-1])
+    block_size = o["block_size"]
+    if block_size is not None and not _is_int(block_size):
+        raise TypeError(f"block_size: expected a positive int, received {block_size!r}")
+    for name in ("allow_tf32",):
+        if not isinstance(o[name], (bool, np.bool_)):
+            raise TypeError(f"{name}: expected a bool, received {o[name]!r}")
     scalars = {
         "causal": _CAUSAL[causal],
         "has_window": window is not None,
         "window_left": -1 if left is None else int(left),
         "window_right": -1 if right is None else int(right),
         "scale": None if o["scale"] is None else float(o["scale"]),
-        "softcap": None if o["softcap"] is None else float(o["softcap"]),
-        "block_size": o["block_size"],
-        "dropout_p": float(o["dropout_p"]),
-        "seed_hi": -1 if seed is None else int(seed) >> 32,
-        "seed_lo": -1 if seed is None else int(seed) & 0xFFFFFFFF,
-        "dropout_offset": int(o["dropout_offset"]),
+        "softcap": _check_softcap(o["softcap"]),
+        "block_size": None if block_size is None else int(block_size),
+        "dropout_p": dropout_p,
+        "seed_hi": -1 if seed is None else seed >> 32,
+        "seed_lo": -1 if seed is None else seed & 0xFFFFFFFF,
+        "dropout_offset": offset,
         "allow_tf32": bool(o["allow_tf32"]),
-        "backend": o["backend"],
+        "backend": _check_backend(o["backend"]),
     }
     return tensors, scalars
 
@@ -255,10 +279,12 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, mask, bias, alibi_slopes, sinks, *rest):
+    """Gradients as the real op returns them: new contiguous tensors in q's, k's, v's (the
+    bias's, the sinks') shapes and dtypes, whatever the inputs' strides."""
     bias_grad = rest[-2]
-    dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
-    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsinks
+    dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
 
 
 def _setup_context(ctx, inputs, output):
@@ -332,14 +358,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     """
     _check_tensors(q, k, v, bias)
     return_lse = options.pop("return_lse", False)
-    if not isinstance(return_lse, bool):
+    if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse: expected a bool, received {return_lse!r}")
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     elif not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool or None, received {deterministic!r}")
-    p = options.get("dropout_p", 0.0)  # the op checks it, and every option, with flashcupy's messages
-    if isinstance(p, (int, float)) and p > 0 and options.get("seed") is None:
+    p, seed, _ = _check_dropout(options.get("dropout_p", 0.0), options.get("seed"), options.get("dropout_offset", 0))
+    if p > 0 and seed is None:
         options["seed"] = _rng.new_seed()  # drawn once here, reused by the backward
     tensors, scalars = _encode({**options, "bias": bias, "sinks": sinks}, q, k)
     out, lse = _attention_op(q, k, v, **tensors, **scalars, deterministic=deterministic)

@@ -576,3 +576,44 @@ def test_compile_with_dynamic_shapes() -> None:
     for length in (5, 9, 17):
         q, k, v = (_randn((1, 2, length, 8), seed=length + s, requires_grad=False) for s in range(3))
         torch.testing.assert_close(compiled(q, k, v), fct.flash_attention(q, k, v, causal=True), rtol=0, atol=0)
+
+
+def test_compiled_backward_with_strided_inputs() -> None:
+    """The backward's fake gradients are contiguous, as the real ones: q in FlashAttention's
+    (B, L, H, D) layout (and every transformers model's q) trains under torch.compile."""
+    x = _randn((2, 5, 4, 3), seed=60)
+    k, v = _randn((2, 4, 6, 3), seed=61), _randn((2, 4, 6, 2), seed=62)
+
+    def loss(x, k, v):
+        return fct.flash_attention(x.transpose(1, 2), k, v, causal=True).square().sum()
+
+    grads = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(x, k, v), (x, k, v))
+    for got, want in zip(grads, torch.autograd.grad(loss(x, k, v), (x, k, v)), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    (q, k, v), tensors, scalars = _op_args()
+    q = q.detach().transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, L, D) view of (B, L, H, D) memory
+    out, lse = fct._attention_op(q, k, v, **tensors, **scalars, deterministic=False)
+    torch.library.opcheck(fct._attention_backward_op, (torch.ones_like(out), q, k, v, out, lse),
+                          {**tensors, **scalars, "bias_grad": False, "deterministic": False},
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_options_convert_and_fail_as_flashcupys_own() -> None:
+    q, k, v = (_randn((1, 2, 8, 4), seed=s, requires_grad=False) for s in (70, 71, 72))
+    packed = [x[0].clone() for x in (q, k, v)]
+    out = fct.flash_attention_varlen(*packed, [0, 3, 8], [0, 4, 8])  # lists, as flashcupy takes them
+    assert out.shape == (2, 8, 4)
+    mask = np.ones((8, 8), bool)[::-1]  # negative strides: copied, not refused
+    sinks = np.array([0.5, -1.0], dtype=">f8")  # big-endian
+    torch.testing.assert_close(fct.flash_attention(q, k, v, mask=mask, sinks=sinks),
+                               fct.flash_attention(q, k, v, sinks=torch.tensor([0.5, -1.0])))
+    lse = fct.flash_attention(q, k, v, return_lse=np.True_)[1]
+    assert lse.shape == (1, 2, 8)
+    assert fct.flash_attention(q, k, v, dropout_p=np.float32(0.2)).shape == q.shape  # a seed is drawn
+    for options, error, match in (({"dropout_offset": 1.5}, TypeError, "dropout_offset"),
+                                  ({"seed": -1, "dropout_p": 0.1}, ValueError, "seed"),
+                                  ({"scale": "x"}, TypeError, "scale"),
+                                  ({"allow_tf32": "yes"}, TypeError, "allow_tf32"),
+                                  ({"backend": 3}, ValueError, "backend")):
+        with pytest.raises(error, match=match):
+            fct.flash_attention(q, k, v, **options)
