@@ -84,3 +84,33 @@ def test_register_refuses_flash_names():
         flashcupy_hf.register("")
     assert NAME in transformers.AttentionInterface._global_mapping
     assert "flash" not in NAME
+
+
+def test_gpt_oss_sinks_and_t5_position_bias_pass_through():
+    """GPT-OSS hands its attention sinks over as s_aux, T5 its learned position bias as
+    position_bias: both must reach the scores."""
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                                       num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64)
+    model = transformers.GptOssForCausalLM(config).float().to(DEVICE).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2)
+    ids, _ = _batch()
+    logits = {}
+    for implementation in (NAME, "eager"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=ids).logits
+    torch.testing.assert_close(logits[NAME], logits["eager"], rtol=1e-4, atol=1e-5)
+
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64,
+                                                                      num_layers=1, num_heads=4)).to(DEVICE).eval()
+    decoder_ids = ids[:, :5]
+    for implementation in (NAME, "sdpa"):
+        t5.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = t5(input_ids=ids, decoder_input_ids=decoder_ids).logits
+    torch.testing.assert_close(logits[NAME], logits["sdpa"], rtol=1e-4, atol=1e-5)

@@ -10,7 +10,8 @@ Forward, backward and ``generate()`` then run through :func:`flashcupy.torch.fla
 (GQA natively, no repeated key heads). The model's masks come from transformers' SDPA mask
 function: boolean (True = attend) where padding, a sliding window or a custom pattern needs one,
 and none where the causal triangle alone is meant, which flashcupy runs as ``causal="top_left"``
-(transformers' alignment). Gemma-2's ``softcap`` and training-time dropout pass through. The
+(transformers' alignment). Gemma-2's ``softcap``, GPT-OSS's sinks (``s_aux``), T5's and MPT's
+``position_bias`` and training-time dropout pass through. The
 name must not contain "flash": transformers reserves those for its FlashAttention family.
 transformers stays an optional dependency; this module imports it.
 """
@@ -36,16 +37,27 @@ DEFAULT_NAME = "fc_attention"  # "flashcupy" has "flash" in it
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      is_causal: bool | None = None, softcap: float | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+                      is_causal: bool | None = None, softcap: float | None = None,
+                      position_bias: torch.Tensor | None = None, s_aux: torch.Tensor | None = None,
+                      **_: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query (B, Hq, Lq, D), key (B, Hk, Lk, D),
     value (B, Hk, Lk, Dv), the model's mask ((B, 1, Lq, Lk) boolean True = attend, or additive
-    float, or None). Returns (out as (B, Lq, Hq, Dv), None): no attention weights."""
+    float, or None), a learned additive ``position_bias`` (T5, MPT) and attention sinks
+    ``s_aux`` (GPT-OSS: one logit per head). Returns (out as (B, Lq, Hq, Dv), None): no
+    attention weights."""
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     options: dict[str, Any] = {"scale": scaling}
-    if attention_mask is not None:
-        options["mask" if attention_mask.dtype == torch.bool else "bias"] = attention_mask
+    bias = position_bias
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        options["mask"] = attention_mask
+    elif attention_mask is not None:
+        bias = attention_mask if bias is None else bias + attention_mask
     elif is_causal and query.shape[2] > 1:
         options["causal"] = "top_left"  # transformers' causal masks align the first query with the first key
+    if bias is not None:
+        options["bias"] = bias
+    if s_aux is not None:
+        options["sinks"] = s_aux
     if softcap is not None:
         options["softcap"] = softcap
     if dropout > 0:
