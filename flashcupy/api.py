@@ -156,9 +156,9 @@ def flash_attention(
         bias: float, broadcastable to (..., Hq, Lq, Lk); added to the scores.
         alibi_slopes: broadcastable to (..., Hq); adds -slope * |i + Lk - Lq - j|.
         sinks: attention sinks, real logits broadcastable to (..., Hq): each row of
-            head h gets exp(sinks[h]) added to its softmax denominator, lse =
-            log(exp(sinks[h]) + sum_j exp(s_ij)), and the sink takes no value (a row
-            whose scores are all masked gives out 0 and lse = sinks[h]; -inf is no
+            head (..., h) gets exp(sink) added to its softmax denominator, lse =
+            log(exp(sink) + sum_j exp(s_ij)), and the sink takes no value (a row
+            whose scores are all masked gives out 0 and lse = sink; -inf is no
             sink). GPU sinks stay on the GPU: their values are not checked.
         softcap: s -> softcap * tanh(s / softcap), before bias and masks.
         q_lengths, kv_lengths: ints broadcastable to the batch dims (...): rows
@@ -176,8 +176,8 @@ def flash_attention(
 
     Returns:
         out (..., Hq, Lq, Dv), q's dtype and array kind; ``(out, lse)`` with
-        ``return_lse``. A row whose scores are all masked gives out 0 and lse -inf,
-        never NaN.
+        ``return_lse``. A row whose scores are all masked gives out 0 and lse -inf
+        (the sink's logit with sinks), never NaN.
     """
     options = dict(locals())
     del options["q"], options["k"], options["v"]

@@ -72,7 +72,7 @@ def backward_splits(pb: Problem, groups: int) -> int:
     extra range costs a dQ-sized buffer for its group.
     """
     cores = MACHINE_CORES
-    if groups >= cores:
+    if groups >= cores or groups == 0:  # no group (an empty batch): nothing to split
         return 1
     _, block_n = tile_sizes(pb)
     return max(1, min(8, -(-2 * cores // groups), -(-pb.seqlen_k // block_n)))

@@ -15,9 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from . import api as _api
 from . import interop
 from .api import flash_attention
 from .problem import dtype_name
+from .problem.build import make_problem
 from .problem.validate import check_array, host_array
 
 
@@ -84,13 +86,14 @@ def flash_attention_with_kvcache(
             and array kind; Hq % Hk == 0 (GQA).
         k, v: optional (B, Hk, Lnew, D) and (B, Hk, Lnew, Dv): written into the cache in place
             at positions cache_seqlens[b] .. cache_seqlens[b] + Lnew - 1 (through block_table
-            when paged), then attended to. Writing past the cache's capacity is a ValueError
-            raised before anything is written.
+            when paged), then attended to. Every argument is checked before anything is
+            written: writing past the cache's capacity, or any bad option, leaves it as it was.
         cache_seqlens: int or (B,) ints, each sequence's valid keys before this call; not
             modified (the caller advances it). Default: the whole capacity (Lmax, or
             max_blocks * block_size).
         block_table: (B, max_blocks) ints: sequence b's logical block n is physical block
-            block_table[b, n] of the paged cache.
+            block_table[b, n] of the paged cache; slots past a sequence's keys are not read
+            (they may hold -1).
         causal, scale, window, alibi_slopes, softcap, sinks, return_lse, allow_tf32,
             backend: as :func:`flashcupy.flash_attention`, over each sequence's keys: causal
             is bottom-right, query row i sees keys <= i + keys - Lq, with keys =
@@ -116,9 +119,6 @@ def flash_attention_with_kvcache(
         if table.dtype.kind not in "iu":
             raise TypeError(f"block_table: expected integers, received dtype {dtype_name(table.dtype)}")
         _shape("block_table", table, (batch, None), "B, max_blocks")
-        if table.size and (table.min() < 0 or table.max() >= n_blocks):
-            raise ValueError(f"block_table: expected block numbers in [0, {n_blocks - 1}], received values in "
-                             f"[{table.min()}, {table.max()}]")
         capacity = table.shape[1] * block_size
     else:
         _shape("k_cache", k_cache, (batch, None, None, d), "B, Hk, Lmax, D as q's")
@@ -144,6 +144,21 @@ def flash_attention_with_kvcache(
             raise ValueError(f"k, v: {new} new keys after cache_seqlens up to {int(lens.max())} exceed the cache's "
                              f"capacity of {capacity} keys a sequence; nothing was written")
     total = lens + new  # each sequence's keys after the append
+    keys = int(total.max()) if batch else 0
+    if paged:  # the slots a sequence uses must name blocks; the others may hold anything (-1 padding)
+        in_use = np.arange(table.shape[1]) < -(-total[:, None] // block_size)
+        named = table[in_use]
+        if named.size and (named.min() < 0 or named.max() >= n_blocks):
+            raise ValueError(f"block_table: expected block numbers in [0, {n_blocks - 1}] in the slots the sequences "
+                             f"use, received values in [{named.min()}, {named.max()}]")
+        table = np.where(in_use, table, 0)
+    options = {"kv_lengths": total, "causal": causal, "scale": scale, "window": window, "alibi_slopes": alibi_slopes,
+               "softcap": softcap, "sinks": sinks, "return_lse": return_lse, "allow_tf32": allow_tf32,
+               "backend": backend}
+    # Every argument checked before the cache is written: the attention's on stand-ins of its shapes.
+    _api._backend(backend, q)
+    standin = lambda shape: xp.broadcast_to(xp.zeros((), q.dtype), shape)  # noqa: E731
+    make_problem(q, standin((batch, hk, keys, d)), standin((batch, hk, keys, v_cache.shape[-1])), options, xp=xp)
     if new:
         # (B, Lnew) positions; advanced indices around a slice put (B, Lnew) first: k as (B, Lnew, Hk, D)
         pos = lens[:, None] + np.arange(new)
@@ -153,7 +168,6 @@ def flash_attention_with_kvcache(
             rows = (xp.asarray(np.arange(batch)[:, None]), xp.asarray(pos))
         k_cache[rows[0], :, rows[1]] = k.transpose(0, 2, 1, 3)
         v_cache[rows[0], :, rows[1]] = v.transpose(0, 2, 1, 3)
-    keys = int(total.max()) if batch else 0
     if paged:  # the blocks in use, gathered in logical order: (B, Hk, blocks * block_size, D)
         used = xp.asarray(table[:, : -(-keys // block_size)])
         k_seq, v_seq = (c[used].transpose(0, 2, 1, 3, 4).reshape(batch, hk, used.shape[1] * block_size,
@@ -161,9 +175,7 @@ def flash_attention_with_kvcache(
                         for c in (k_cache, v_cache))
     else:
         k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
-    return flash_attention(q, k_seq, v_seq, kv_lengths=total, causal=causal, scale=scale, window=window,
-                           alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, return_lse=return_lse,
-                           allow_tf32=allow_tf32, backend=backend)
+    return flash_attention(q, k_seq, v_seq, **options)
 
 
 def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:

@@ -288,3 +288,13 @@ def test_nan_row_has_nan_lse_and_fully_masked_row_ignores_nan_values() -> None:
     mask[6, 5] = False
     out, lse = fc.flash_attention(q, case.k, v, mask=mask, return_lse=True, backend="cpu")
     assert np.isnan(lse[0, 3]) and lse[0, 6] == -np.inf and np.all(out[0, 6] == 0)
+
+
+def test_backward_of_an_empty_batch() -> None:
+    """No (batch, head) group at all: the backward's key-range split divided by zero."""
+    q = np.zeros((0, 2, 5, 8), F32)
+    out, vjp = fc.flash_attention_vjp(q, q, q, backend="cpu")
+    assert [g.shape for g in vjp(np.zeros_like(out))] == [q.shape] * 3
+    packed = np.zeros((2, 0, 8), F32)
+    _, vjp = fc.flash_attention_vjp(packed, packed, packed, cu_seqlens_q=[0], cu_seqlens_k=[0], backend="cpu")
+    assert [g.shape for g in vjp(np.zeros((2, 0, 8), F32))] == [packed.shape] * 3

@@ -190,3 +190,27 @@ def test_kvcache_on_the_gpu_writes_the_device_cache(paged):
     assert_rule("out", out.get(), ref_out, ref_out, F16, 1.0)
     if not paged:
         np.testing.assert_array_equal(caches[0].get()[1, :, 9:12], k[1])
+
+
+@pytest.mark.parametrize("options, error", [({"causal": "bad"}, ValueError), ({"sinks": np.ones(3)}, ValueError),
+                                            ({"backend": "gpu"}, ValueError), ({"window": (-1, 0)}, ValueError)])
+def test_a_bad_option_writes_nothing(options, error):
+    q, kc, vc, k, v = _cache(np.random.default_rng(4))
+    before = (kc.copy(), vc.copy())
+    with pytest.raises(error):
+        fc.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=[1, 2], **options)
+    np.testing.assert_array_equal(kc, before[0])
+    np.testing.assert_array_equal(vc, before[1])
+
+
+def test_unused_block_table_slots_may_hold_minus_one():
+    rs = np.random.default_rng(5)
+    q, kc, vc, _, _ = _cache(rs, lmax=16)
+    kp, vp, table = _paged(kc, vc, 4, rs)
+    padded = table.copy()
+    padded[0, 2:] = -1  # sequence 0 holds 6 keys: two blocks of 4
+    got = fc.flash_attention_with_kvcache(q, kp, vp, cache_seqlens=[6, 16], block_table=padded, backend="cpu")
+    want = fc.flash_attention_with_kvcache(q, kp, vp, cache_seqlens=[6, 16], block_table=table, backend="cpu")
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"block_table: expected block numbers .* in the slots the sequences use"):
+        fc.flash_attention_with_kvcache(q, kp, vp, cache_seqlens=[9, 16], block_table=padded, backend="cpu")
