@@ -136,16 +136,30 @@ def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
 
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = logsumexp(s, axis=-1)
-    p_sink = None
+    sink = p_sink = None
     if pb.sinks is not None:
         # The sink joins the denominator of every row inside q_len (padded rows take none).
         rows = np.arange(pb.seqlen_q) < q_len[..., None, None]
         sink = np.where(rows, np.asarray(pb.sinks, np.float64)[..., None], -np.inf)
         lse = np.logaddexp(lse, sink)
-        p_sink = np.where(rows, np.exp(sink - np.where(rows, lse, 0.0)), 0.0)
     # A fully masked row has lse = -inf; subtracting 0 instead gives exp(-inf) = 0, never NaN.
     lse_safe = np.where(lse == -np.inf, 0.0, lse)
-    p = rnd(np.exp(s - lse_safe[..., None]))
+    p = np.exp(s - lse_safe[..., None])
+    # Rows with a finite maximum m: p = e / sum(e) with e = exp(s - m) instead. exp(s - lse) loses
+    # the row's size where |m| dwarfs log(n) (lse = m + log(n) rounds to m: a bias of
+    # finfo.min everywhere would give p = 1 per key, not 1 / n).
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        m = np.max(s, axis=-1) if s.shape[-1] else np.full(s.shape[:-1], -np.inf)
+        if sink is not None:
+            m = np.maximum(m, sink)
+        finite = np.isfinite(m)
+        e = np.exp(s - np.where(finite, m, 0.0)[..., None])
+        e_sink = None if sink is None else np.exp(sink - np.where(finite, m, 0.0))
+        den = e.sum(axis=-1) + (0.0 if e_sink is None else e_sink)
+        p = np.where(finite[..., None], e / np.where(finite, den, 1.0)[..., None], p)
+        if sink is not None:
+            p_sink = np.where(rows & finite, e_sink / np.where(finite, den, 1.0), 0.0)
+    p = rnd(p)
     zd = None
     pd = p
     if pb.dropout_p > 0:

@@ -75,3 +75,15 @@ def test_fully_masked_row_in_the_reference() -> None:
     assert lse[0] == -np.inf and np.isfinite(lse[1])
     dq, dk, dv, _ = attention_reference_backward(np.ones((2, 2)), q, k, v, mask=mask)
     assert not np.isnan(dq).any() and np.all(dq[0] == 0)
+
+
+def test_huge_finite_bias_averages_the_values() -> None:
+    """Scores all near -1e308 (a bias of finfo.min / 2, as additive masks use) still give the
+    softmax's mean of v: exp(s - lse) had given their sum, lse = m + log(n) rounding to m."""
+    rs = np.random.default_rng(8)
+    q, k, v = (rs.standard_normal((2, 3, 4)) for _ in range(3))
+    bias = np.full((3, 3), np.finfo(np.float64).min / 2)
+    out = fc.attention_reference(q, k, v, bias=bias)
+    np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=1, keepdims=True), out.shape), rtol=1e-12)
+    out, lse = fc.attention_reference(q, k, v, bias=bias, sinks=np.finfo(np.float64).min / 2, return_lse=True)
+    np.testing.assert_allclose(out, np.broadcast_to(v.mean(axis=1, keepdims=True) * 3 / 4, out.shape), rtol=1e-12)
