@@ -11,7 +11,9 @@ Forward, backward and ``generate()`` then run through :func:`flashcupy.torch.fla
 function: boolean (True = attend) where padding, a sliding window or a custom pattern needs one,
 and none where the causal triangle alone is meant, which flashcupy runs as ``causal="top_left"``
 (transformers' alignment). Gemma-2's ``softcap``, GPT-OSS's sinks (``s_aux``), T5's and MPT's
-``position_bias`` and training-time dropout pass through. The
+``position_bias`` and training-time dropout pass through. A query that may attend no key (a
+padding token's row) gives 0, where SDPA and eager give an average of values; such rows' outputs
+are padding and should carry no loss. The
 name must not contain "flash": transformers reserves those for its FlashAttention family.
 transformers stays an optional dependency; this module imports it.
 """
