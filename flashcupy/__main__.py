@@ -663,6 +663,8 @@ def explain_command(args: argparse.Namespace) -> int:
         options.update(block_size=128, block_mask=np.broadcast_to(np.ones((), bool), (-(-lq // 128), -(-lk // 128))))
     if args.alibi:
         options["alibi_slopes"] = np.ones(q_shape[-3] if len(q_shape) > 2 else 1)
+    if args.sinks:
+        options["sinks"] = np.zeros(q_shape[-3] if len(q_shape) > 2 else 1)
     if args.softcap is not None:
         options["softcap"] = args.softcap
     if args.dropout:
@@ -774,6 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask", action="store_true", help="an (Lq, Lk) boolean mask")
     p.add_argument("--block-mask", action="store_true", help="a block mask of 128-wide blocks")
     p.add_argument("--alibi", action="store_true", help="ALiBi slopes, one per query head")
+    p.add_argument("--sinks", action="store_true", help="attention sinks, one per query head")
     p.add_argument("--softcap", type=float, default=None, help="softcap value")
     p.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout probability")
     p.add_argument("--lengths", action="store_true", help="per-batch q_lengths and kv_lengths")

@@ -178,8 +178,13 @@ def explain(q: Any, k: Any, v: Any, *, arch: Any = None, backward: bool = True, 
     launches = forward_launches(pb, fwd.spec) + (backward_launches(pb, bwd.spec) if bwd else [])
     result = Explanation(_describe_call(pb, options, deterministic), where, cc, fwd, bwd,
                          [KernelLaunch(launch) for launch in launches])
+    notes = []
+    if pb.sinks is not None:
+        notes.append("sinks: no kernel of their own: folded into out and lse after the forward, their gradient "
+                     "from the backward's D (flashcupy/sinks.py)")
     if S.force_portable():
-        result.note = f"note: {S.FORCE_PORTABLE_ENV}=1 forces the portable (SIMT) kernels"
+        notes.append(f"note: {S.FORCE_PORTABLE_ENV}=1 forces the portable (SIMT) kernels")
+    result.note = "\n".join(notes)
     if registers:
         _compile_registers(result.launches, cc)
     return result

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -85,6 +88,15 @@ def test_explain_errors_name_the_argument(monkeypatch) -> None:
         fc.explain(q, k, v, arch=90, casual=True)
     with pytest.raises(ValueError, match="window"):
         fc.explain(q, k, v, arch=90, window=(-1, 2))
+
+
+def test_explain_says_where_sinks_go() -> None:
+    e = fc.explain(*_qkv(), arch=90, sinks=np.zeros(1))
+    assert "PlainScores" in e.forward.spec.name_expression  # sinks change no score: the plain kernels
+    assert "sinks: no kernel of their own" in str(e)
+    out = subprocess.run([sys.executable, "-m", "flashcupy", "explain", "--shape", "1,2,64,64", "--arch", "sm_90",
+                          "--sinks"], capture_output=True, text=True, check=True).stdout
+    assert "sinks: no kernel of their own" in out and "; sinks" in out
 
 
 def test_explain_notes_forced_portable_kernels(monkeypatch) -> None:
