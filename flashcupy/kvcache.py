@@ -19,7 +19,7 @@ from . import api as _api
 from . import interop
 from .api import flash_attention
 from .problem import dtype_name
-from .problem.build import make_problem
+from .problem import make_device_problem, make_host_problem
 from .problem.validate import check_array, host_array
 
 
@@ -155,10 +155,12 @@ def flash_attention_with_kvcache(
     options = {"kv_lengths": total, "causal": causal, "scale": scale, "window": window, "alibi_slopes": alibi_slopes,
                "softcap": softcap, "sinks": sinks, "return_lse": return_lse, "allow_tf32": allow_tf32,
                "backend": backend}
-    # Every argument checked before the cache is written: the attention's on stand-ins of its shapes.
+    # Every argument checked before the cache is written: the attention's on stand-ins of its shapes,
+    # its option arrays moved where q is (as flash_attention will: NumPy sinks with CuPy q, say).
     _api._backend(backend, q)
     standin = lambda shape: xp.broadcast_to(xp.zeros((), q.dtype), shape)  # noqa: E731
-    make_problem(q, standin((batch, hk, keys, d)), standin((batch, hk, keys, v_cache.shape[-1])), options, xp=xp)
+    make = make_host_problem if xp is np else make_device_problem
+    make(q, standin((batch, hk, keys, d)), standin((batch, hk, keys, v_cache.shape[-1])), options)
     if new:
         # (B, Lnew) positions; advanced indices around a slice put (B, Lnew) first: k as (B, Lnew, Hk, D)
         pos = lens[:, None] + np.arange(new)

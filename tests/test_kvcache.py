@@ -178,14 +178,15 @@ def test_kvcache_on_the_gpu_writes_the_device_cache(paged):
     rs = np.random.default_rng(3)
     q, kc, vc, k, v = _cache(rs, dtype=F16)
     lens = np.array([4, 9])
-    ref_out, _ = _reference(q, kc, vc, k, v, lens, {"causal": True})
+    options = {"causal": True, "sinks": np.array([0.5, -1.0, 0.2, 1.0])}  # host sinks beside device arrays
+    ref_out, _ = _reference(q, kc, vc, k, v, lens, options)
     if paged:
         kp, vp, table = _paged(kc, vc, 4, rs)
         caches = (cupy.asarray(kp), cupy.asarray(vp))
     else:
         caches, table = (cupy.asarray(kc), cupy.asarray(vc)), None
     out = fc.flash_attention_with_kvcache(cupy.asarray(q), *caches, cupy.asarray(k), cupy.asarray(v),
-                                          cache_seqlens=lens, block_table=table, causal=True)
+                                          cache_seqlens=lens, block_table=table, **options)
     assert isinstance(out, cupy.ndarray)
     assert_rule("out", out.get(), ref_out, ref_out, F16, 1.0)
     if not paged:
