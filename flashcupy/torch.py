@@ -303,7 +303,7 @@ def _backward(ctx, dout, _dlse):
     options = dict(zip(_TENSOR_OPTIONS, tensors))
     bias_grad = bool(ctx.needs_input_grad[3 + _TENSOR_OPTIONS.index("bias")])
     dq, dk, dv, dbias, dsinks = _attention_backward_op(
-        dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, out, lse, *tensors, **ctx.scalars,
+        dout, q, k, v, out, lse, *tensors, **ctx.scalars,
         bias_grad=bias_grad, deterministic=ctx.deterministic)
     grads = {"bias": dbias if bias_grad else None,
              "sinks": dsinks if options["sinks"] is not None else None}
