@@ -75,9 +75,10 @@ def _run_forward(pb: Problem, backend: str):
     return out, lse
 
 
-def _forward(q: Any, k: Any, v: Any, options: dict[str, Any]):
-    """(pb, out, lse) with out and lse in the caller's kind and layout."""
-    pb, restore, _, (out, lse) = _compute(q, k, v, options, _run_forward)
+def _forward(q: Any, k: Any, v: Any, options: dict[str, Any], prepared: tuple | None = None):
+    """(pb, out, lse) with out and lse in the caller's kind and layout; ``prepared`` as in
+    :func:`_compute` (a problem validated before the call)."""
+    pb, restore, _, (out, lse) = _compute(q, k, v, options, _run_forward, prepared)
     return pb, restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))
 
 

@@ -17,7 +17,6 @@ import numpy as np
 
 from . import api as _api
 from . import interop
-from .api import flash_attention
 from .problem import dtype_name
 from .problem import make_device_problem, make_host_problem
 from .problem.validate import check_array, host_array
@@ -155,12 +154,19 @@ def flash_attention_with_kvcache(
     options = {"kv_lengths": total, "causal": causal, "scale": scale, "window": window, "alibi_slopes": alibi_slopes,
                "softcap": softcap, "sinks": sinks, "return_lse": return_lse, "allow_tf32": allow_tf32,
                "backend": backend}
-    # Every argument checked before the cache is written: the attention's on stand-ins of its shapes,
-    # its option arrays moved where q is (as flash_attention will: NumPy sinks with CuPy q, say).
-    _api._backend(backend, q)
-    standin = lambda shape: xp.broadcast_to(xp.zeros((), q.dtype), shape)  # noqa: E731
-    make = make_host_problem if xp is np else make_device_problem
-    make(q, standin((batch, hk, keys, d)), standin((batch, hk, keys, v_cache.shape[-1])), options)
+    # Every argument checked before the cache is written. A contiguous cache's problem is the
+    # attention's own, on views of the cache that will see the write; a paged one's is checked on
+    # stand-ins of the gathered keys' shapes (its option arrays moved where q is, as
+    # flash_attention will) and validated again on the gathered copy.
+    prepared = None
+    if paged:
+        _api._backend(backend, q)
+        standin = lambda shape: xp.broadcast_to(xp.zeros((), q.dtype), shape)  # noqa: E731
+        make = make_host_problem if xp is np else make_device_problem
+        make(q, standin((batch, hk, keys, d)), standin((batch, hk, keys, v_cache.shape[-1])), options)
+    else:
+        k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
+        prepared = _api._prepare(q, k_seq, v_seq, options)
     if new:
         # (B, Lnew) positions; advanced indices around a slice put (B, Lnew) first: k as (B, Lnew, Hk, D)
         pos = lens[:, None] + np.arange(new)
@@ -175,9 +181,8 @@ def flash_attention_with_kvcache(
         k_seq, v_seq = (c[used].transpose(0, 2, 1, 3, 4).reshape(batch, hk, used.shape[1] * block_size,
                                                                      c.shape[-1])[:, :, :keys]
                         for c in (k_cache, v_cache))
-    else:
-        k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
-    return flash_attention(q, k_seq, v_seq, **options)
+    pb, out, lse = _api._forward(q, k_seq, v_seq, options, prepared)
+    return (out, lse) if pb.return_lse else out
 
 
 def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
