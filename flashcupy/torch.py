@@ -46,6 +46,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 from . import api as _api
 from . import rng as _rng
+from .problem import ARRAY_OPTIONS as _ARRAY_OPTIONS
 from .problem import INT32_LIST_OPTIONS as _INT32_LISTS
 from .problem import check_causal as _check_causal
 from .problem import check_window as _check_window
@@ -128,9 +129,9 @@ def _on_device(device: torch.device):
 
 # --------------------------------------------------------------------------- custom ops
 
-#: The array options an op takes as tensors (each Optional[Tensor] in its schema).
-_TENSOR_OPTIONS = ("mask", "bias", "alibi_slopes", "sinks", "q_lengths", "kv_lengths", "block_mask", "cu_seqlens_q",
-                   "cu_seqlens_k")
+#: The array options an op takes as tensors: flashcupy's, each an Optional[Tensor] argument of
+#: the ops in this order (tests/test_torch.py checks the schemas).
+_TENSOR_OPTIONS = _ARRAY_OPTIONS
 #: causal as an int in the schema.
 _CAUSAL = {None: 0, "bottom_right": 1, "top_left": 2}
 _CAUSAL_BACK = {0: False, 1: "bottom_right", 2: "top_left"}

@@ -617,3 +617,13 @@ def test_options_convert_and_fail_as_flashcupys_own() -> None:
                                   ({"backend": 3}, ValueError, "backend")):
         with pytest.raises(error, match=match):
             fct.flash_attention(q, k, v, **options)
+
+
+def test_ops_take_flashcupys_array_options_in_order() -> None:
+    """The ops' tensor arguments follow flashcupy.problem.ARRAY_OPTIONS, which _encode fills."""
+    from flashcupy.problem import ARRAY_OPTIONS
+
+    forward = [a.name for a in torch.ops.flashcupy.attention.default._schema.arguments]
+    backward = [a.name for a in torch.ops.flashcupy.attention_backward.default._schema.arguments]
+    assert tuple(forward[3 : 3 + len(ARRAY_OPTIONS)]) == ARRAY_OPTIONS
+    assert tuple(backward[6 : 6 + len(ARRAY_OPTIONS)]) == ARRAY_OPTIONS
