@@ -553,7 +553,7 @@ def precompile_command(args: argparse.Namespace) -> int:
     try:
         times = precompile(dtypes=args.dtypes, head_dims=args.head_dims, backward=not args.no_backward,
                            device=args.device, allow_tf32=args.allow_tf32, progress=not args.no_progress,
-                           workers=args.workers)
+                           workers=args.workers, options=[tuple(o.split(",")) if o else () for o in args.options])
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
     except RuntimeError as exc:  # no usable GPU, or the driver failing: not the arguments
@@ -739,9 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser(
         "precompile",
         help="compile the CUDA kernels ahead of first use (flashcupy.precompile)",
-        description="Compile, in parallel threads, the forward (plain and full pipeline) and backward "
-        "kernels that calls with these dtypes and head dims select on the current GPU; the times are "
-        "recorded in CuPy's kernel cache directory and shown by 'info'. Exit status 1 without a GPU.",
+        description="Compile, in parallel threads, the forward and backward kernels that calls with these "
+        "dtypes, head dims and option sets select on the current GPU; the times are recorded in CuPy's "
+        "kernel cache directory and shown by 'info'. Exit status 1 without a GPU.",
     )
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), metavar="DTYPE",
                    help=f"dtypes to cover (default all: {' '.join(DTYPES)})")
@@ -753,6 +753,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-tf32", action="store_true", help="the float32 kernels of allow_tf32=True calls")
     p.add_argument("--workers", type=_positive, default=None, help="compile threads (default min(8, CPUs))")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--options", nargs="+", default=[""], metavar="SET",
+                   help="option sets to cover, each comma-separated names among softcap, bias, alibi, mask, "
+                        "block_mask, dropout, or '' for none (default: '' only, calls with causal, window and "
+                        "lengths alone); e.g. --options '' bias mask,dropout")
     p.set_defaults(func=precompile_command)
 
     p = commands.add_parser(

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import interop
-from .cuda import Launch, backward_launches, forward_launches, full_scores
+from .cuda import Launch, backward_launches, forward_launches, score_set
 from .cuda import spec as S
 from .problem import ARRAY_OPTIONS, Problem, make_host_problem
 
@@ -126,11 +126,11 @@ def _tiles(spec: S.KernelSpec | S.BackwardSpec) -> str:
     if isinstance(spec, S.KernelSpec):
         return (f"{spec.mainloop}, {spec.policy}: {spec.block_m} query rows x {spec.block_n} keys a tile, "
                 f"{spec.num_warps} warps, Dv chunk {spec.dv_tile}, {spec.stages} stage(s), "
-                f"{'FullScores' if spec.full else 'PlainScores'}")
+                f"{spec.scores}")
     dq = {0: "dQ by its own kernel", 1: "dQ fused (accumulator dQ / scale)", 2: "dQ fused (into dQ itself)"}
     return (f"{spec.mainloop}, {spec.policy}: {spec.block_r} keys a block x {spec.block_c} queries a tile, "
             f"{spec.roles} role(s), chunks of {spec.kv_chunk} columns, {spec.stages} stage(s), "
-            f"{dq[spec.dq_accum]}, {'FullScores' if spec.full else 'PlainScores'}")
+            f"{dq[spec.dq_accum]}, {spec.scores}")
 
 
 def _compile_registers(launches: list[KernelLaunch], arch: int) -> None:
@@ -172,7 +172,7 @@ def explain(q: Any, k: Any, v: Any, *, arch: Any = None, backward: bool = True, 
     stand_ins = {name: _option_stand_in(name, value) for name, value in options.items()}
     pb = make_host_problem(_stand_in(q), _stand_in(k), _stand_in(v), {**stand_ins, "backend": "cpu"})
     call = S.Call(np.dtype(pb.dtype).name, S.head_dim_bucket(max(pb.head_dim, pb.head_dim_v)), cc, smem_limit,
-                  pb.allow_tf32, S.force_portable(), full_scores(pb), deterministic)
+                  pb.allow_tf32, S.force_portable(), score_set(pb), deterministic)
     fwd = S.choose_forward(call)
     bwd = S.choose_backward(call) if backward else None
     launches = forward_launches(pb, fwd.spec) + (backward_launches(pb, bwd.spec) if bwd else [])

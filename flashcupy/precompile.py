@@ -30,6 +30,10 @@ RECORD_NAME = "flashcupy-precompile.json"
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
+#: The option sets :func:`precompile` covers by default: calls with causal, window and
+#: lengths only (kernels are compiled per set of the other options a call uses).
+DEFAULT_OPTIONS: tuple[tuple[str, ...], ...] = ((),)
+
 
 class Kernel(NamedTuple):
     """One kernel to compile: source family ('forward' or 'backward'), NVRTC name
@@ -70,6 +74,20 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+def _score_set(names: Iterable[str], dtype: str) -> Any:
+    """The kernels' score option set of calls with the options ``names`` (some of
+    flashcupy.cuda.spec.SCORE_MODS; a bias of the calls' dtype)."""
+    from .cuda.spec import SCORE_MODS, ScoreSet
+
+    names = (names,) if isinstance(names, str) else tuple(names)
+    unknown = [n for n in names if n not in SCORE_MODS]
+    if unknown:
+        raise ValueError(f"options: expected option names among {', '.join(SCORE_MODS)}, received {unknown[0]!r}")
+    return ScoreSet.of(bias_dtype=dtype if "bias" in names else None, mask="mask" in names,
+                       block_mask="block_mask" in names, alibi="alibi" in names, softcap="softcap" in names,
+                       dropout="dropout" in names)
+
+
 def _head_dim(d: Any) -> int:
     if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 1 <= int(d) <= 512:
         raise ValueError(f"head_dims: expected ints in 1..512, received {d!r}")
@@ -77,26 +95,29 @@ def _head_dim(d: Any) -> int:
 
 
 def kernels_for(dtypes: Iterable[str], head_dims: Iterable[int], arch: int, smem_limit: int,
-                backward: bool = True, allow_tf32: bool = False, skipped: list[str] | None = None) -> list[Kernel]:
+                backward: bool = True, allow_tf32: bool = False, skipped: list[str] | None = None,
+                options: Iterable[Iterable[str]] = DEFAULT_OPTIONS) -> list[Kernel]:
     """The kernels calls with these dtypes and head dims (D = Dv) select on a GPU of compute
-    capability ``arch`` with ``smem_limit`` bytes of opt-in shared memory per block: the
-    forward's plain and full-pipeline variants, and with ``backward`` its three kernels.
+    capability ``arch`` with ``smem_limit`` bytes of opt-in shared memory per block, for each
+    score option set of ``scores`` (see :func:`precompile`): the forward, and with ``backward``
+    its three kernels.
     ``FLASHCUPY_FORCE_PORTABLE`` is honoured as in real calls. Where no kernel fits the
     GPU (such calls run on the CPU backend under ``backend='auto'``), the reason is
     appended to ``skipped``."""
     from .cuda.spec import NoKernelError, select_backward, select_forward
 
+
     found: dict[tuple[str, str], Kernel] = {}
     for dtype in dtypes:
         for d in head_dims:
             try:
-                for full in (False, True):
-                    spec = select_forward(dtype, d, d, arch, smem_limit, allow_tf32, full=full)
+                for score_set in dict.fromkeys(_score_set(names, dtype) for names in options):
+                    spec = select_forward(dtype, d, d, arch, smem_limit, allow_tf32, scores=score_set)
                     found.setdefault(("forward", spec.name_expression),
                                      Kernel("forward", spec.name_expression, spec.smem_bytes))
                     for deterministic in (False, True) if backward else ():
                         bspec = select_backward(dtype, d, d, arch, smem_limit, allow_tf32,
-                                                deterministic=deterministic, full=full)
+                                                deterministic=deterministic, scores=score_set)
                         for name, smem in bspec.kernels:
                             found.setdefault(("backward", name), Kernel("backward", name, smem))
             except NoKernelError as exc:
@@ -208,14 +229,15 @@ def precompile(
     allow_tf32: bool = False,
     progress: bool = True,
     workers: int | None = None,
+    options: Iterable[Iterable[str]] = DEFAULT_OPTIONS,
 ) -> dict[str, float]:
     """Compile, ahead of first use, the CUDA kernels that calls would select on one GPU.
 
     For each dtype and head dim (D = Dv, any value in 1..512; kernels exist per padded
-    bucket 32, 64, 96, 128, 256, 512) this compiles both forward variants (the plain
-    kernel used with causal, window and lengths only, and the full pipeline used with
-    masks, bias, ALiBi, softcap or dropout) and, with ``backward``, the three backward
-    kernels. ``allow_tf32`` selects the float32 kernels of ``allow_tf32=True`` calls
+    bucket 32, 64, 96, 128, 256, 512) and each option set of ``options`` this compiles the
+    forward and, with ``backward``, the backward's kernels. Kernels are compiled per set of
+    the options beyond causal, window and lengths that a call uses (bias, mask, block_mask,
+    alibi, softcap, dropout); the default covers calls without them. ``allow_tf32`` selects the float32 kernels of ``allow_tf32=True`` calls
     instead of the float32-accurate ones. Compilation runs in ``workers`` threads
     (default min(8, CPU count)); kernels already compiled in this process return at once,
     and kernels in CuPy's disk cache load in well under a second.
@@ -228,6 +250,9 @@ def precompile(
         allow_tf32: as the calls' ``allow_tf32``.
         progress: show a progress bar on stderr (tqdm when installed, else a counter).
         workers: compile threads.
+        options: option sets, each an iterable of names among "softcap", "bias" (a bias of
+            the calls' dtype), "alibi", "mask", "block_mask" and "dropout"; e.g.
+            ``[(), ("bias",), ("mask", "dropout")]``.
 
     Returns:
         {kernel name expression: seconds it took}, in completion order. The times are
@@ -262,7 +287,11 @@ def precompile(
 
     device_id, device_name, arch, smem_limit = _device_info(device)
     skipped: list[str] = []
-    todo = kernels_for(dtype_names, dims, arch, smem_limit, backward, bool(allow_tf32), skipped)
+    option_sets = [tuple((names,) if isinstance(names, str) else names) for names in options]
+    for dtype in dtype_names[:1]:
+        for names in option_sets:
+            _score_set(names, dtype)  # ValueError before the device is looked at
+    todo = kernels_for(dtype_names, dims, arch, smem_limit, backward, bool(allow_tf32), skipped, option_sets)
     for reason in skipped:
         warnings.warn(f"flashcupy.precompile: {reason.split('; use')[0]}: such calls run on the CPU backend "
                       f"with backend='auto'", RuntimeWarning, stacklevel=2)

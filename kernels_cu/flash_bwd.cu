@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(THREADS) flash_bwd_delta(const BwdParams bp) {
 }
 
 // ------------------------------------------------------------------ dQ
-// The deterministic dQ: every option at run time (FullScores), one 16-row group per warp.
+// The deterministic dQ, query-major, under the call's score option set; one 16-row group per warp.
 template <typename T, typename Policy, int HD, int BLOCK_R, int BLOCK_C>
 struct DqStorage {
     using QTile = PaddedTile<T, BLOCK_R, HD>;  // rows padded as the forward's tiles
@@ -140,7 +140,8 @@ struct DqStorage {
     T v[KTile::ELEMS];     // (BLOCK_C, HD)
 };
 
-template <typename T, typename Policy, int HD, int CH, int BLOCK_R, int BLOCK_C, int SMEM_BYTES, int THREADS>
+template <typename T, typename Policy, typename ScoreSet, int HD, int CH, int BLOCK_R, int BLOCK_C, int SMEM_BYTES,
+          int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
     using Acc = typename Policy::Acc;
     using Storage = DqStorage<T, Policy, HD, BLOCK_R, BLOCK_C>;
@@ -185,7 +186,8 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
     load_tile<T, BLOCK_R, HD, LD, THREADS>(sdO, gdO, bp.do_sr, rows_valid, p.dv_stored);
     cp_async_commit();
 
-    const Scores<Acc, true> score(p, hv);
+    using Sc = Scores<Acc, ScoreSet>;
+    const Sc score(p, hv);
     const int r0 = i0 + 16 * warp + g;  // rows r0 and r0 + 8
     Acc lse2[2], delta[2];
 #pragma unroll
@@ -216,8 +218,8 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
             for (int e = 0; e < 4; ++e) s[0][n][e] = dp[0][n][e] = Acc(0);
         Policy::template qk<HD, BLOCK_C, LD, LD>(sQ + 16 * warp * LD, sK, s);    // S = Q K^T
         Policy::template qk<HD, BLOCK_C, LD, LD>(sdO + 16 * warp * LD, sV, dp);  // dP = dO V^T
-        // No option touches the scores of a full tile inside the band: S = scale * log2(e) * s.
-        const bool fast = score.plain && j0 + BLOCK_C <= hi && tile_inside_band(p, hv, i0, i0 + rows_valid, j0, j1);
+        // A full tile inside the band without masks selects nothing.
+        const bool fast = !Sc::kMasks && j0 + BLOCK_C <= hi && tile_inside_band(p, hv, i0, i0 + rows_valid, j0, j1);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             // bit e: element e survives dropout (j even: j0 is a multiple of BLOCK_C)
@@ -226,9 +228,11 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
             for (int e = 0; e < 4; ++e) {
                 const int x = e >> 1, i = r0 + 8 * x, j = j0 + 8 * n + 2 * t + (e & 1);
                 const Acc raw = s[0][n][e];
-                const Acc sc = fast ? raw * score.op.scale_log2 : (j < j1 && i < hv.q_len) ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>();
+                // Rows past q_len (fast tiles compute them) are never stored.
+                const Acc sc = fast ? (Sc::kPlain ? raw * score.op.scale_log2 : score.value(raw, i, j))
+                                    : (j < j1 && i < hv.q_len) ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>();
                 const Acc pe = softmax_exp2(sc - lse2[x]);                          // P = exp(S - lse)
-                const Acc z = p.dropout_threshold != 0 ? ((keep >> e) & 1u ? dropout_scale : Acc(0)) : Acc(1);
+                const Acc z = Sc::kDropout ? ((keep >> e) & 1u ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = pe * (dp[0][n][e] * z - delta[x]);                          // dS = P (dP z - D)
                 score.derivative(bp, ds, raw, i, j, false);  // softcap's chain rule (dK/dV adds dbias)
                 s[0][n][e] = ds;

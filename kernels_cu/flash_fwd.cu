@@ -6,10 +6,10 @@
 //     entirely are skipped before any load), computes S = Q K^T with its product policy and
 //     folds each tile into the online softmax (softmax.cuh): a running row max m, a running
 //     sum l and an unnormalised O kept in registers;
-//   score modifiers (score/scores.cuh): PlainScores or FullScores, what turns products into
-//     scores and which tiles to skip;
+//   score modifiers (score/scores.cuh): PlainScores or the call's ScoreMods, what turns
+//     products into scores and which tiles to skip;
 //   the epilogue (epilogue.cuh): O normalised once, with the log-sum-exp.
-// Template arguments: Mainloop, ScoreSet (PlainScores or FullScores), and the shared memory
+// Template arguments: Mainloop, ScoreSet (a ScoreMods), and the shared memory
 // and threads the host launches with, checked against the mainloop's at compile time.
 #include "epilogue.cuh"
 #include "mainloop/fwd_overlap.cuh"
@@ -24,7 +24,6 @@ __global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     static_assert(SMEM_BYTES == Mainloop::kSmemBytes, "the host launches with the mainloop's shared memory");
     using T = typename Mainloop::Element;
     using Acc = typename Mainloop::Acc;
-    constexpr bool FULL = ScoreSet::kFull;
     constexpr int MI = Mainloop::MI;       // 16-row groups per warp
     constexpr int WARP_M = 16 * MI;
     constexpr int BLOCK_M = Mainloop::kBlockM;
@@ -69,12 +68,12 @@ __global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     int lo = 0, hi = 0;
     if (rows_valid > 0) key_range(p, hv, i0, i0 + rows_valid, lo, hi);
 
-    const Scores<Acc, FULL> scores(p, hv);
+    const Scores<Acc, ScoreSet> scores(p, hv);
     const int i1 = i0 + rows_valid;
     // This thread's rows: row(x) = r0 + 8 x for x = 2 mi + (e >> 1), x in [0, 2 MI).
     const int r0 = i0 + WARP_M * warp + g;
     Acc m[2 * MI], l[2 * MI];  // running row max (log2 domain); this thread's share of the row sum
-    OnlineSoftmax<Acc, MI, FULL, Mainloop::kSequentialMask> softmax{p, hv, scores, i0, i1, r0, t, m, l};
+    OnlineSoftmax<Acc, MI, ScoreSet, Mainloop::kSequentialMask> softmax{p, hv, scores, i0, i1, r0, t, m, l};
     Acc o[MI][NO][4];
 #pragma unroll
     for (int x = 0; x < 2 * MI; ++x) {

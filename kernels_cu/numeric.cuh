@@ -24,15 +24,6 @@ __device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162floa
 __device__ __forceinline__ float widen(float x) { return x; }
 __device__ __forceinline__ double widen(double x) { return x; }
 
-template <typename Acc> __device__ __forceinline__ Acc load_as(const void* p, i64 index, i32 dtype) {
-    switch (dtype) {
-        case kF16: return static_cast<Acc>(__half2float(static_cast<const __half*>(p)[index]));
-        case kBF16: return static_cast<Acc>(__bfloat162float(static_cast<const __nv_bfloat16*>(p)[index]));
-        case kF32: return static_cast<Acc>(static_cast<const float*>(p)[index]);
-        default: return static_cast<Acc>(static_cast<const double*>(p)[index]);
-    }
-}
-
 // exp2 of a score already reduced by its row's maximum or log-sum-exp (x <= 0 up to
 // rounding): one MUFU.EX2 (ex2.approx.ftz, ~2 ulp) instead of exp2f's denormal handling
 // (a compare and two predicated multiplies around it). Results below 2^-126 flush to 0, far

@@ -15,8 +15,6 @@ using i64 = long long;
 using u64 = unsigned long long;
 static_assert(sizeof(i32) == 4 && sizeof(i64) == 8, "fixed-width aliases");
 
-// Dtype codes for arrays whose dtype is decided at run time (the bias).
-enum DtypeCode : i32 { kF16 = 0, kBF16 = 1, kF32 = 2, kF64 = 3 };
 // Causal modes.
 enum Causal : i32 { kNoCausal = 0, kBottomRight = 1, kTopLeft = 2 };
 
@@ -28,7 +26,7 @@ struct Params {
     void* o;                   // like q with Dv, contiguous
     void* lse;                 // (B, Hq, Lq) or (Hq, total_q), float32 (float64 for float64 inputs)
     const bool* mask;          // strided view broadcast to (B, Hq, Lq, Lk); nullptr if none
-    const void* bias;          // strided view broadcast to (B, Hq, Lq, Lk); nullptr if none
+    const void* bias;          // strided view broadcast to (B, Hq, Lq, Lk), of the kernel's ScoreMods::Bias; nullptr if none
     const double* alibi;       // (B, Hq) slopes, strided; nullptr if none
     const bool* block_mask;    // strided view broadcast to (B, Hq, nbq, nbk); nullptr if none
     const i32* cu_seqlens_q;  // (B + 1) packed offsets; nullptr when padded
@@ -46,7 +44,7 @@ struct Params {
     i64 alibi_sb, alibi_sh;
     u64 seed;             // Philox key = (seed mod 2^32, seed >> 32)
     double scale;              // softmax scale
-    double softcap;            // > 0 when softcapping
+    double softcap;            // the softcap (read where the kernel's ScoreMods has kModSoftcap)
     double dropout_scale;      // 1 / (1 - dropout_p)
     // ---- 4-byte fields
     i32 batch, hq, hk;     // hq % hk == 0
@@ -55,10 +53,8 @@ struct Params {
     i32 causal;            // Causal
     i32 window_left, window_right;  // < 0: unbounded
     i32 block_size;        // block_mask granularity
-    i32 bias_dtype;        // DtypeCode
-    u32 dropout_threshold;  // keep iff Philox word >= threshold; 0 = no dropout
+    u32 dropout_threshold;  // keep iff Philox word >= threshold (read where ScoreMods has kModDropout)
     u32 dropout_offset;
-    i32 has_softcap;
     i32 dv_stored;         // v's last-axis length in memory (dv padded to 16 bytes)
     i32 row_blocks;        // the forward's row blocks per Dv chunk: grid x = row_blocks x chunks, rows
                            // fastest (flashcupy/cuda decides it with the launch; the kernel reads it)

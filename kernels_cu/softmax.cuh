@@ -15,14 +15,16 @@ __device__ __forceinline__ float max_acc(float a, float b) { return fmaxf(a, b);
 __device__ __forceinline__ double max_acc(double a, double b) { return a > b ? a : b; }
 
 // The online softmax of one thread's rows: running max m (log2 domain) and this thread's
-// share of the running sum l, fed by the kernel's score modifiers (score/scores.cuh).
+// share of the running sum l, fed by the kernel's score modifiers (score/scores.cuh) for the
+// option set Set.
 // SEQUENTIAL_MASK: PlainScores' masked tiles take TileBand's sequential test (a mainloop's
 // kSequentialMask).
-template <typename Acc, int MI, bool FULL, bool SEQUENTIAL_MASK>
+template <typename Acc, int MI, typename Set, bool SEQUENTIAL_MASK>
 struct OnlineSoftmax {
+    using Sc = Scores<Acc, Set>;
     const Params& p;
     const HeadView& hv;
-    const Scores<Acc, FULL>& scores;
+    const Sc& scores;
     int i0, i1;    // the block's valid rows
     int r0, t;     // this thread's first row and its column pair in each 8-column tile
     Acc (&m)[2 * MI];  // rows r0 + 8 x, x in [0, 2 MI)
@@ -41,7 +43,14 @@ struct OnlineSoftmax {
         // i = 16 mi + 8 (e >> 1) is 8 x for the thread's row x (a constant once unrolled).
         auto fold_max = [&](Acc& s, int i, int) { row_max[i / 8] = max_acc(row_max[i / 8], s); };
         const bool crosses = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
-        if (scores.plain && jt1 - jt0 == 8 * NP && !crosses) {  // a fast tile: whole, plain, inside the band
+        // A fast tile (whole, crossing no band edge, no mask present) selects nothing.
+        const bool fast = !Sc::kMasks && jt1 - jt0 == 8 * NP && !crosses;
+        if constexpr (Sc::kFull) {
+            // One copy of the options' passes for every tile, the selection skipped on fast ones
+            // (a second copy for fast tiles spills the D = 128 bias kernel).
+            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, !fast);
+            each_element(sp, 0, 0, 0, fold_max);
+        } else if (fast) {
             each_element(sp, 0, 0, 0, [&](Acc& s, int i, int j) {
                 s *= scores.op.scale_log2;  // S = scale * log2(e) * Q K^T
                 fold_max(s, i, j);
@@ -49,7 +58,7 @@ struct OnlineSoftmax {
         } else {
             // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
             // discarded: both masked, the latter before any mask or bias read.
-            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses);
+            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, true);
             each_element(sp, 0, 0, 0, fold_max);
         }
         Acc m_safe[2 * MI];

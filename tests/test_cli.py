@@ -16,7 +16,7 @@ import pytest
 import flashcupy
 import flashcupy.__main__ as cli
 from flashcupy import interop
-from flashcupy.cuda.spec import ARCH_SMEM, select_backward, select_forward
+from flashcupy.cuda.spec import ARCH_SMEM, EVERY_OPTION, PLAIN, select_backward, select_forward
 from flashcupy.precompile import RECORD_NAME, kernels_for, load_records, record_path
 
 PRECOMPILE = sys.modules["flashcupy.precompile"]  # the module; flashcupy.precompile is the function
@@ -76,15 +76,15 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(argv, message, capsys) -> 
 def test_explain_prints_the_kernels_and_rules_without_a_gpu() -> None:
     result = run_cli("explain", "--shape", "2,16,4096,128", "--arch", "sm_90", "--causal", "--dtype", "bfloat16")
     assert result.returncode == 0, result.stderr
-    forward = select_forward("bfloat16", 128, 128, 90, ARCH_SMEM[90], full=False)
-    backward = select_backward("bfloat16", 128, 128, 90, ARCH_SMEM[90], full=False)
+    forward = select_forward("bfloat16", 128, 128, 90, ARCH_SMEM[90])
+    backward = select_backward("bfloat16", 128, 128, 90, ARCH_SMEM[90])
     assert forward.name_expression in result.stdout and backward.dkdv_name in result.stdout
     assert "rule 'wgmma16-overlap'" in result.stdout and "rule 'wgmma16'" in result.stdout
     result = run_cli("explain", "--shape", "1,8,300,64", "--kv-shape", "1,2,500,64", "--arch", "80", "--bias", "--mask",
                      "--alibi", "--softcap", "30", "--dropout", "0.1", "--window", "16,none", "--lengths",
                      "--dtype", "float32", "--deterministic")
     assert result.returncode == 0, result.stderr
-    assert "FullScores" in result.stdout and "dQ by its own kernel" in result.stdout and "sm_80" in result.stdout
+    assert "ScoreMods: softcap, bias (float32), alibi, mask, dropout" in result.stdout and "dQ by its own kernel" in result.stdout and "sm_80" in result.stdout
 
 
 def test_bad_arguments_never_print_a_traceback() -> None:
@@ -300,8 +300,8 @@ def test_kernels_for_lists_both_forward_variants_and_the_backward() -> None:
     assert len(names) == len(kernels)
     for dtype in ("float16", "float64"):
         for d in (64, 128):
-            for full in (False, True):
-                assert select_forward(dtype, d, d, arch, smem, full=full).name_expression in names
+            assert select_forward(dtype, d, d, arch, smem, scores=PLAIN).name_expression in names
+            assert select_forward(dtype, d, d, arch, smem, scores=EVERY_OPTION).name_expression not in names
             spec = select_backward(dtype, d, d, arch, smem)
             assert {spec.delta_name, spec.dq_name, spec.dkdv_name} <= names
     assert {k.family for k in kernels} == {"forward", "backward"}

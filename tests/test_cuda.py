@@ -26,7 +26,9 @@ cupy = pytest.importorskip("cupy")
 from flashcupy import cuda  # noqa: E402  (needs CuPy)
 from flashcupy.cuda import compile as kernels  # noqa: E402
 from flashcupy.cuda.spec import (  # noqa: E402
+    EVERY_OPTION,
     FORCE_PORTABLE_ENV,
+    PLAIN,
     all_kernels,
     backward_key_block_major,
     select_backward,
@@ -112,7 +114,8 @@ def test_hopper_forward_matches_reference(dtype, shape, options) -> None:
     """The wgmma forward (compute capability 9.0) on partial tiles, every option kind."""
     arch, smem = _sm90_limits("wgmma kernels need")
     b, h, lq, lk, d, dv = shape
-    assert select_forward(np.dtype(dtype).name, d, dv, arch, smem, full=bool(set(options) - {"causal"})).policy == "wgmma"
+    assert select_forward(np.dtype(dtype).name, d, dv, arch, smem, scores=EVERY_OPTION if set(options) - {"causal"} else PLAIN).policy \
+        == "wgmma"
     options = {n: (x.astype(dtype) if n == "bias" else x) for n, x in options.items()}
     _check_forward(_case((b, h, lq, d), (b, h, lk, d), dv=dv, dtype=dtype, **options))
 
@@ -137,7 +140,7 @@ def test_hopper_tf32x3_forward_matches_reference(shape, options) -> None:
     producer's and consumer's barriers meet at every pipeline depth."""
     arch, smem = _sm90_limits("3xTF32 wgmma kernels need")
     b, hq, hk, lq, lk, d, dv = shape
-    assert select_forward("float32", d, dv, arch, smem, full=False).policy == "wgmma_tf32x3"
+    assert select_forward("float32", d, dv, arch, smem).policy == "wgmma_tf32x3"
     _check_forward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=F32, **options))
 
 
@@ -326,7 +329,7 @@ def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
     """The wgmma backward (compute capability 9.0, no score option) on partial tiles."""
     arch, smem = _sm90_limits("wgmma kernels need")
     b, hq, hk, lq, lk, d, dv = shape
-    assert select_backward(np.dtype(dtype).name, d, dv, arch, smem, full=False).policy == "wgmma"
+    assert select_backward(np.dtype(dtype).name, d, dv, arch, smem).policy == "wgmma"
     _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
 
 
@@ -349,7 +352,7 @@ def test_split_roles_backward_matches_reference(dtype, shape, options) -> None:
     partial tiles and every band."""
     arch, smem = _sm90_limits("split roles are chosen on")
     b, hq, hk, lq, lk, d, dv = shape
-    assert select_backward(np.dtype(dtype).name, d, dv, arch, smem, full=False).roles == 2
+    assert select_backward(np.dtype(dtype).name, d, dv, arch, smem).roles == 2
     _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
 
 

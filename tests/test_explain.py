@@ -22,13 +22,14 @@ def _qkv(shape=(2, 4, 300, 64), dtype=np.float16, kv_len=None):
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_explain_names_the_kernels_select_returns(arch, dtype) -> None:
     q, k, v = _qkv(dtype=dtype)
-    for options, full in (({}, False), ({"causal": True, "window": (20, 3)}, False), ({"softcap": 20.0}, True),
-                          ({"bias": np.zeros((300, 300), np.float32)}, True)):
+    for options, scores in (({}, S.PLAIN), ({"causal": True, "window": (20, 3)}, S.PLAIN),
+                            ({"softcap": 20.0}, S.ScoreSet(("softcap",))),
+                            ({"bias": np.zeros((300, 300), np.float32)}, S.ScoreSet(("bias",), "float32"))):
         for deterministic in (False, True):
             e = fc.explain(q, k, v, arch=f"sm_{arch}", deterministic=deterministic, **options)
             name = np.dtype(dtype).name
-            fwd = S.select_forward(name, 64, 64, arch, S.ARCH_SMEM[arch], full=full, portable=False)
-            bwd = S.select_backward(name, 64, 64, arch, S.ARCH_SMEM[arch], full=full, portable=False,
+            fwd = S.select_forward(name, 64, 64, arch, S.ARCH_SMEM[arch], scores=scores, portable=False)
+            bwd = S.select_backward(name, 64, 64, arch, S.ARCH_SMEM[arch], scores=scores, portable=False,
                                     deterministic=deterministic)
             assert e.forward.spec == fwd and e.backward.spec == bwd
             assert e.forward.rule in S.FORWARD_RULES and e.backward.rule in S.BACKWARD_RULES

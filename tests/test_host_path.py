@@ -180,14 +180,14 @@ def test_dropout_check_cache_keys_on_types() -> None:
 # --------------------------------------------------------------------------- kernel selection
 
 
-def _uncached_forward(dtype, d, dv, arch, smem, tf32, portable, full):
+def _uncached_forward(dtype, d, dv, arch, smem, tf32, portable, scores):
     return S.choose_forward.__wrapped__(S.Call(dtype, S.head_dim_bucket(max(d, dv)), arch, smem, tf32, portable,
-                                               full)).spec
+                                               scores)).spec
 
 
-def _uncached_backward(dtype, d, dv, arch, smem, tf32, portable, deterministic, full):
+def _uncached_backward(dtype, d, dv, arch, smem, tf32, portable, deterministic, scores):
     return S.choose_backward.__wrapped__(S.Call(dtype, S.head_dim_bucket(max(d, dv)), arch, smem, tf32, portable,
-                                                full, deterministic)).spec
+                                                scores, deterministic)).spec
 
 
 def test_kernel_selection_cache_matches_uncached_and_follows_the_portable_switch(monkeypatch) -> None:
@@ -195,10 +195,11 @@ def test_kernel_selection_cache_matches_uncached_and_follows_the_portable_switch
     for arch, smem in S.ARCH_SMEM.items():
         for dtype in S.CXX_TYPE:
             for d in (1, 64, 111, 256, 512):
-                for tf32, portable, full, deterministic in ((False, False, False, False), (True, True, True, True)):
+                for tf32, portable, scores, deterministic in ((False, False, S.PLAIN, False),
+                                                              (True, True, S.EVERY_OPTION, True)):
                     for cached, uncached, extra in (
-                        (S.select_forward, _uncached_forward, (full,)),
-                        (S.select_backward, _uncached_backward, (deterministic, full)),
+                        (S.select_forward, _uncached_forward, (scores,)),
+                        (S.select_backward, _uncached_backward, (deterministic, scores)),
                     ):
                         try:
                             want = uncached(dtype, d, d, arch, smem, tf32, portable, *extra)
@@ -208,8 +209,8 @@ def test_kernel_selection_cache_matches_uncached_and_follows_the_portable_switch
                         else:
                             assert cached(dtype, d, d, arch, smem, tf32, portable, *extra) == want
     assert S.select_forward("float16", 64, 64, 80, S.ARCH_SMEM[80]).policy == "mma16"
-    assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "mma16"
-    assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90], full=False).policy == "wgmma"
+    assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90], scores=S.EVERY_OPTION).policy == "mma16"
+    assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "wgmma"
     assert S.select_forward("float16", 128, 128, 90, S.ARCH_SMEM[90]).policy == "wgmma"
     monkeypatch.setenv(S.FORCE_PORTABLE_ENV, "1")
     assert S.select_forward("float16", 128, 128, 90, S.ARCH_SMEM[90]).policy == "simt"
@@ -320,7 +321,7 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
     """wgmma (sm_90a) only on compute capability 9.0, only at head dims of whole 64-column
     slabs, and its tiles (swizzled, plus 1024 bytes of alignment slack) fit the GPU."""
     for d in (33, 64, 97, 120, 128, 129, 256):
-        spec = S.select_forward(dtype, d, d, 90, S.ARCH_SMEM[90], full=full)
+        spec = S.select_forward(dtype, d, d, 90, S.ARCH_SMEM[90], scores=S.EVERY_OPTION if full else S.PLAIN)
         assert spec.policy == "wgmma" and spec.head_dim in S.WGMMA_HEAD_DIMS
         assert spec.num_warps % 4 == 0 and spec.block_n % 64 == 0 and spec.dv_tile % 64 == 0
         assert spec.smem_bytes == 1024 + 2 * (spec.block_m * spec.head_dim
@@ -330,8 +331,8 @@ def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
                                                else "flash::flash_fwd<flash::FwdSerial<__")
         assert spec.mainloop == "FwdOverlap" or "flash::MmaWgmma<" in spec.name_expression
     for d, arch in ((32, 90), (96, 90), (512, 90), (64, 80), (128, 80), (128, 86), (128, 89)):
-        assert S.select_forward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full).policy == "mma16"
-    assert S.select_forward("float32", 128, 128, 90, S.ARCH_SMEM[90]).policy == "tf32x3"
+        assert S.select_forward(dtype, d, d, arch, S.ARCH_SMEM[arch], scores=S.EVERY_OPTION if full else S.PLAIN).policy == "mma16"
+    assert S.select_forward("float32", 128, 128, 90, S.ARCH_SMEM[90], scores=S.EVERY_OPTION).policy == "tf32x3"
 
 
 def test_key_block_major_order_for_causal_float32_and_float64_only() -> None:
@@ -340,7 +341,7 @@ def test_key_block_major_order_for_causal_float32_and_float64_only() -> None:
     speeds; head by head otherwise."""
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         for d, arch, full in ((64, 90, False), (128, 90, True), (128, 80, False)):
-            spec = S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full)
+            spec = S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], scores=S.EVERY_OPTION if full else S.PLAIN)
             assert S.backward_key_block_major(spec, True) == (dtype in ("float32", "float64"))
             assert not S.backward_key_block_major(spec, False)
 
@@ -354,7 +355,7 @@ def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype)
     lo tiles (twice the tiles' bytes, one stage), float64's in two stages."""
     smem = S.ARCH_SMEM[90]
     for d in (65, 80, 96, 97, 128):
-        spec = S.select_backward(dtype, d, d, 90, smem, full=False)
+        spec = S.select_backward(dtype, d, d, 90, smem)
         assert spec.roles == 2 and spec.kv_chunk == spec.head_dim and spec.fused_dq and spec.threads == 256
         assert spec.dkdv_name.startswith("flash::flash_bwd_dkdv<flash::BwdSplitRoles<")
         assert f", {spec.head_dim}, 64, {spec.block_c}, {spec.stages}>, flash::PlainScores, " in spec.dkdv_name
@@ -367,9 +368,9 @@ def test_split_roles_only_for_plain_float32_float64_at_96_and_128_on_sm90(dtype)
         assert spec.dq_accum_scaled and one.dq_accum_scaled == (dtype == "float64")  # dS carries the scale
     for d, arch, full, deterministic in ((64, 90, False, False), (200, 90, False, False), (128, 90, True, False),
                                          (128, 90, False, True), (128, 80, False, False), (128, 89, False, False)):
-        assert S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full,
+        assert S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], scores=S.EVERY_OPTION if full else S.PLAIN,
                                  deterministic=deterministic).roles == 1
-    assert S.select_backward(dtype, 128, 128, 90, smem, allow_tf32=True, full=False).roles == (2 if dtype == "float64"
+    assert S.select_backward(dtype, 128, 128, 90, smem, allow_tf32=True).roles == (2 if dtype == "float64"
                                                                                                else 1)
 
 
@@ -380,7 +381,7 @@ def test_tf32x3_wgmma_forward_only_for_plain_float32_at_128_on_sm90() -> None:
     which take one block an SM."""
     smem = S.ARCH_SMEM[90]
     for d, dv in ((97, 97), (128, 128), (64, 128), (128, 1)):
-        spec = S.select_forward("float32", d, dv, 90, smem, full=False)
+        spec = S.select_forward("float32", d, dv, 90, smem)
         assert spec.policy == "wgmma_tf32x3" and spec.name_expression == (
             f"flash::flash_fwd<flash::FwdProducerConsumer<128, 128, 32>, flash::PlainScores, {spec.smem_bytes}, 256>")
         assert (spec.block_m, spec.threads) == (64, 256)
@@ -390,8 +391,8 @@ def test_tf32x3_wgmma_forward_only_for_plain_float32_at_128_on_sm90() -> None:
     for d, arch, full, tf32 in ((96, 90, False, False), (200, 90, False, False), (128, 90, True, False),
                                 (128, 90, False, True), (128, 80, False, False), (128, 89, False, False)):
         assert S.select_forward("float32", d, d, arch, S.ARCH_SMEM[arch], allow_tf32=tf32,
-                                full=full).policy != "wgmma_tf32x3"
-    assert S.select_forward("float32", 128, 128, 90, 200 * 1024, full=False).policy == "tf32x3"
+                                scores=S.EVERY_OPTION if full else S.PLAIN).policy != "wgmma_tf32x3"
+    assert S.select_forward("float32", 128, 128, 90, 200 * 1024).policy == "tf32x3"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -402,7 +403,7 @@ def test_hopper_backward_takes_wgmma_only_without_options(dtype) -> None:
     Options, determinism, D = 32 or 512 and other GPUs keep mma.sync."""
     smem = S.ARCH_SMEM[90]
     for d in (33, 64, 97, 128, 200, 256):
-        spec = S.select_backward(dtype, d, d, 90, smem, full=False)
+        spec = S.select_backward(dtype, d, d, 90, smem)
         assert spec.policy == "wgmma" and spec.head_dim in S.WGMMA_BACKWARD_HEAD_DIMS
         assert spec.kv_chunk == min(spec.head_dim, 128) and spec.fused_dq and not spec.full
         assert spec.block_r == 128 and spec.block_c == (128 if spec.head_dim <= 64 else 64) and spec.threads == 256
@@ -412,7 +413,7 @@ def test_hopper_backward_takes_wgmma_only_without_options(dtype) -> None:
         assert spec.dkdv_name.startswith(f"flash::flash_bwd_dkdv<flash::BwdWgmma<{S.CXX_TYPE[dtype]}, ")
     for d, arch, full, deterministic in ((32, 90, False, False), (512, 90, False, False), (128, 90, True, False),
                                          (128, 90, False, True), (128, 80, False, False), (64, 89, False, False)):
-        spec = S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], full=full, deterministic=deterministic)
+        spec = S.select_backward(dtype, d, d, arch, S.ARCH_SMEM[arch], scores=S.EVERY_OPTION if full else S.PLAIN, deterministic=deterministic)
         assert spec.policy == "mma16"
 
 
@@ -424,7 +425,9 @@ def test_float32_keeps_float32_accuracy_unless_tf32_is_allowed(arch) -> None:
     for select in (S.select_forward, S.select_backward):
         for d in (40, 64, 128, 256):
             want = ("simt", "simt") if arch < 80 else ("tf32x3", "tf32")
-            assert (select("float32", d, d, arch, smem).policy, select("float32", d, d, arch, smem, True).policy) == want
+            full = {"scores": S.EVERY_OPTION}  # the plain D = 128 forward on sm_90 takes TF32 wgmma
+            assert (select("float32", d, d, arch, smem, **full).policy,
+                    select("float32", d, d, arch, smem, True, **full).policy) == want
             assert select("float32", d, d, arch, smem, portable=True).policy == "simt"
     assert "flash::MmaTf32<true, " in S.select_forward("float32", 64, 64, 80, S.ARCH_SMEM[80]).name_expression
 

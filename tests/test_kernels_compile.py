@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import pytest
 
-from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs
+from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs, kernel_dir
 
 ARCHS = (75, 80, 86, 89, 90)
 TENSOR_CORE_POLICIES = ("mma16", "wgmma", "wgmma_tf32x3", "tf32", "tf32x3", "dmma")
@@ -174,8 +174,24 @@ def _cxa_demangle():
     return run
 
 
+def _score_mod_bits() -> dict[str, int]:
+    """flash::ScoreMod's constants (kernels_cu/score/modifiers.cuh): {"kModBias": 2, ...}."""
+    text = (kernel_dir() / "score" / "modifiers.cuh").read_text()
+    return {name: int(value) for name, value in re.findall(r"\b(kMod\w+) = (\d+)u,", text)}
+
+
 def _canonical(signature: str) -> str:
-    return re.sub(r"\s+", "", signature)
+    """A signature without spaces, its score option sets written as the demangler writes
+    them: flash::PlainScores and flash::ScoreMods<flash::kModA | flash::kModB[, T]> as
+    flash::ScoreMods<Nu, T> (N the bits' sum, T void without a bias)."""
+    bits = _score_mod_bits()
+
+    def numeric(m: re.Match) -> str:
+        names, bias = m.group(1).split(","), m.group(2) or "void"
+        return f"flash::ScoreMods<{sum(bits[n.strip().removeprefix('flash::')] for n in names[0].split('|'))}u,{bias}>"
+
+    signature = re.sub(r"\s+", "", signature).replace("flash::PlainScores", "flash::ScoreMods<0u,void>")
+    return re.sub(r"flash::ScoreMods<((?:flash::kMod\w+\|?)+)(?:,([\w:]+))?>", numeric, signature)
 
 
 class Kernel(NamedTuple):

@@ -20,7 +20,7 @@ from ..problem import Problem, accumulator_dtype
 from . import params as P
 from .compile import get_function
 from .spec import (
-    ROW_PASS_ROWS, ROW_PASS_THREADS, BackwardSpec, KernelSpec, backward_key_block_major, needs_full, select_backward,
+    ROW_PASS_ROWS, ROW_PASS_THREADS, BackwardSpec, KernelSpec, ScoreSet, backward_key_block_major, select_backward,
     select_forward,
 )
 
@@ -205,8 +205,6 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0) -> 
             fields[name] = x.data.ptr
             for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(x)):
                 fields[f"{short}_{suffix}"] = s
-    if pb.bias is not None:
-        fields["bias_dtype"] = P.DTYPE_CODE[pb.bias.dtype.name]
     if pb.alibi_slopes is not None:
         slopes = xp.asarray(np.ascontiguousarray(pb.alibi_slopes.reshape(batch, pb.num_heads_q)))
         keep_alive.append(slopes)
@@ -219,7 +217,7 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0) -> 
         window_left=-1 if left is None else min(left, 2**31 - 1),
         window_right=-1 if right is None else min(right, 2**31 - 1),
         block_size=pb.block_size or 1, seed=pb.seed or 0, scale=pb.scale, row_blocks=row_blocks,
-        softcap=pb.softcap or 0.0, has_softcap=int(pb.softcap is not None),
+        softcap=pb.softcap or 0.0,
         dropout_threshold=rng.dropout_threshold(pb.dropout_p) if pb.dropout_p > 0 else 0,
         dropout_offset=pb.dropout_offset, dropout_scale=1.0 / (1.0 - pb.dropout_p),
         **fields,
@@ -232,10 +230,11 @@ def _operands(pb: Problem, xp):
     return tuple(_rows(pb, x, xp) for x in (pb.q, pb.k, pb.v))
 
 
-def full_scores(pb: Problem) -> bool:
-    """Whether a problem needs the FullScores kernels (an option beyond causal, window, lengths)."""
-    return needs_full(pb.bias is not None, pb.mask is not None, pb.block_mask is not None,
-                      pb.alibi_slopes is not None, pb.softcap is not None, pb.dropout_p > 0)
+def score_set(pb: Problem) -> ScoreSet:
+    """The score options a problem's kernels are compiled for (beyond causal, window, lengths)."""
+    return ScoreSet.of(bias_dtype=None if pb.bias is None else pb.bias.dtype.name, mask=pb.mask is not None,
+                       block_mask=pb.block_mask is not None, alibi=pb.alibi_slopes is not None,
+                       softcap=pb.softcap is not None, dropout=pb.dropout_p > 0)
 
 
 #: The pointer fields a forward template fills, in the order :meth:`~params.Template.fill` takes them.
@@ -300,7 +299,7 @@ def forward(pb: Problem) -> tuple[Any, Any]:
     with xp.cuda.Device(device_id):
         arch, smem_limit = device_limits(device_id)
         spec = select_forward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
-                              full=full_scores(pb))
+                              scores=score_set(pb))
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
         operands = (pb.q, pb.k, pb.v)
@@ -356,7 +355,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
     with xp.cuda.Device(device_id):
         arch, smem_limit = device_limits(device_id)
         spec = select_backward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
-                               deterministic=deterministic, full=full_scores(pb))
+                               deterministic=deterministic, scores=score_set(pb))
         acc = accumulator_dtype(pb.dtype)
         lse = xp.ascontiguousarray(lse, dtype=acc)
         delta, lse2 = xp.empty(pb.lse_shape, dtype=acc), xp.empty(pb.lse_shape, dtype=acc)

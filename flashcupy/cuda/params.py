@@ -22,10 +22,9 @@ _POINTERS = ("q", "k", "v", "o", "lse", "mask", "bias", "alibi", "block_mask",
 _STRIDES = ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_sr", "o_sb", "o_sh", "o_sr",
             "lse_sb", "lse_sh", "mask_sb", "mask_sh", "mask_si", "mask_sj", "bias_sb", "bias_sh", "bias_si",
             "bias_sj", "bm_sb", "bm_sh", "bm_si", "bm_sj", "alibi_sb", "alibi_sh")
-_INT32 = ("batch", "hq", "hk", "lq", "lk", "d", "dv", "causal", "window_left", "window_right", "block_size",
-          "bias_dtype")
+_INT32 = ("batch", "hq", "hk", "lq", "lk", "d", "dv", "causal", "window_left", "window_right", "block_size")
 _UINT32 = ("dropout_threshold", "dropout_offset")
-_TAIL = ("has_softcap", "dv_stored", "row_blocks")
+_TAIL = ("dv_stored", "row_blocks")
 
 PARAMS_DTYPE = np.dtype(
     [(n, np.uint64) for n in _POINTERS]
@@ -48,8 +47,6 @@ BWD_PARAMS_DTYPE = np.dtype(
     align=True,
 )
 
-#: Kernel dtype codes (flash::DtypeCode).
-DTYPE_CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 #: flash::Causal.
 CAUSAL_CODE = {None: 0, "bottom_right": 1, "top_left": 2}
 

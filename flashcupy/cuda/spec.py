@@ -70,6 +70,61 @@ ROW_PASS_THREADS = 128
 ROW_PASS_ROWS = 16
 
 
+#: The score options a kernel is compiled for, in flash::ScoreMod's order
+#: (kernels_cu/score/modifiers.cuh), each named there as kMod + its CamelCase name.
+SCORE_MODS = ("softcap", "bias", "alibi", "mask", "block_mask", "dropout")
+
+
+@dataclass(frozen=True)
+class ScoreSet:
+    """The options a kernel is compiled for (flash::ScoreMods): some of :data:`SCORE_MODS`, in
+    that order, and the bias' dtype name (exactly when "bias" is one of them). Causal, window
+    and lengths are run-time parameters of every kernel; the plain set (no mods) is
+    flash::PlainScores."""
+
+    mods: tuple[str, ...] = ()
+    bias_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if tuple(m for m in SCORE_MODS if m in self.mods) != self.mods:
+            raise ValueError(f"mods: expected some of {SCORE_MODS} in that order, received {self.mods!r}")
+        if ("bias" in self.mods) != (self.bias_dtype is not None) or (
+                self.bias_dtype is not None and self.bias_dtype not in CXX_TYPE):
+            raise ValueError(f"bias_dtype: expected one of {tuple(CXX_TYPE)} exactly with a bias, received "
+                             f"{self.bias_dtype!r} with mods {self.mods!r}")
+
+    @classmethod
+    def of(cls, *, bias_dtype: str | None = None, mask: bool = False, block_mask: bool = False,
+           alibi: bool = False, softcap: bool = False, dropout: bool = False) -> "ScoreSet":
+        """The set of a call's options (bias_dtype: the bias' dtype name, None without one)."""
+        present = {"softcap": softcap, "bias": bias_dtype is not None, "alibi": alibi, "mask": mask,
+                   "block_mask": block_mask, "dropout": dropout}
+        return cls(tuple(m for m in SCORE_MODS if present[m]), bias_dtype)
+
+    @property
+    def full(self) -> bool:
+        """Some option beyond causal, window and lengths (the rules' smaller tiles)."""
+        return bool(self.mods)
+
+    @property
+    def cxx(self) -> str:
+        """The C++ type: flash::ScoreMods<bits, bias type>, or flash::PlainScores."""
+        if not self.mods:
+            return "flash::PlainScores"
+        bits = " | ".join("flash::kMod" + "".join(w.title() for w in m.split("_")) for m in self.mods)
+        return f"flash::ScoreMods<{bits}{', ' + CXX_TYPE[self.bias_dtype] if self.bias_dtype else ''}>"
+
+    def __str__(self) -> str:
+        if not self.mods:
+            return "PlainScores"
+        return "ScoreMods: " + ", ".join(f"bias ({self.bias_dtype})" if m == "bias" else m for m in self.mods)
+
+
+#: The plain set, and every option at once (a float32 bias): the two sets compile checks cover.
+PLAIN = ScoreSet()
+EVERY_OPTION = ScoreSet(SCORE_MODS, "float32")
+
+
 class NoKernelError(RuntimeError):
     """No tile shape of the needed kernel fits this GPU (``backend='auto'`` then uses the CPU)."""
 
@@ -84,9 +139,14 @@ class KernelSpec:
     dv_tile: int     # DV: output columns per block
     block_n: int     # keys per tile
     num_warps: int   # warps per block; BLOCK_M = 16 * MI * num_warps
-    full: bool = True  # FullScores: bias, ALiBi, softcap, masks and dropout (else PlainScores)
+    scores: ScoreSet = PLAIN  # the score options compiled in
     stages: int = 1    # shared-memory stages of K and V
     mi: int = 1        # 16-row groups per warp
+
+    @property
+    def full(self) -> bool:
+        """Compiled with some option beyond causal, window and lengths."""
+        return self.scores.full
 
     @property
     def rows_per_warp(self) -> int:
@@ -108,7 +168,7 @@ class KernelSpec:
     @property
     def mainloop(self) -> str:
         """The forward mainloop (kernels_cu/mainloop/fwd_*.cuh): the producer-consumer pipeline
-        for wgmma_tf32x3, the overlapped one for wgmma (but beside the full score pipeline at
+        for wgmma_tf32x3, the overlapped one for wgmma (but beside score options at
         head dims above 128, where its second score buffer spills), else the serial one."""
         if self.policy == "wgmma_tf32x3":
             return "FwdProducerConsumer"
@@ -127,8 +187,7 @@ class KernelSpec:
         else:
             policy = POLICIES[self.policy](t, self.mi)
             mainloop = f"flash::FwdSerial<{t}, {policy}, {tiles}, {self.num_warps}, {self.stages}>"
-        scores = "flash::FullScores" if self.full else "flash::PlainScores"
-        return f"flash::flash_fwd<{mainloop}, {scores}, {self.smem_bytes}, {self.threads}>"
+        return f"flash::flash_fwd<{mainloop}, {self.scores.cxx}, {self.smem_bytes}, {self.threads}>"
 
     @functools.cached_property
     def smem_bytes(self) -> int:
@@ -164,9 +223,14 @@ class BackwardSpec:
     block_c: int     # rows of the streamed operand per tile
     fused_dq: bool = False
     stages: int = 1  # shared-memory stages of the dK/dV kernel's streamed tiles
-    full: bool = True  # the dK/dV kernel compiled with bias, ALiBi, softcap, masks and dropout
+    scores: ScoreSet = PLAIN  # the score options compiled into the dK/dV and dQ kernels
     mi: int = 1        # 16-key row groups per warp of the dK/dV kernel (2: float16/bfloat16 only)
     roles: int = 1     # warps per 16-key group of the dK/dV kernel (2: one for dV, one for dK)
+
+    @property
+    def full(self) -> bool:
+        """Compiled with some option beyond causal, window and lengths."""
+        return self.scores.full
 
     @property
     def threads(self) -> int:
@@ -224,7 +288,8 @@ class BackwardSpec:
         if self.fused_dq:
             return self._row_pass("flash_bwd_dq_convert", "true" if self.dq_accum_scaled else "false")
         t = CXX_TYPE[self.dtype]
-        return (f"flash::flash_bwd_dq<{t}, {self._policy()}, {self.head_dim}, {self.dq_chunk}, {self.block_r}, "
+        return (f"flash::flash_bwd_dq<{t}, {self._policy()}, {self.scores.cxx}, {self.head_dim}, {self.dq_chunk}, "
+                f"{self.block_r}, "
                 f"{self.block_c}, {self.dq_smem_bytes}, {self.dq_threads}>")
 
     @property
@@ -239,8 +304,7 @@ class BackwardSpec:
         else:
             mainloop = (f"flash::BwdWarp<{t}, {self._policy(self.mi)}, {self.head_dim}, {self.kv_chunk}, "
                         f"{self.block_r}, {self.block_c}, {self.dq_accum}, {self.stages}>")
-        scores = "flash::FullScores" if self.full else "flash::PlainScores"
-        return f"flash::flash_bwd_dkdv<{mainloop}, {scores}, {self.dkdv_smem_bytes}, {self.threads}>"
+        return f"flash::flash_bwd_dkdv<{mainloop}, {self.scores.cxx}, {self.dkdv_smem_bytes}, {self.threads}>"
 
     def _row_bytes(self) -> int:
         return (self.head_dim + 16 // self.itemsize) * self.itemsize  # rows padded by 16 bytes
@@ -302,11 +366,6 @@ def force_portable() -> bool:
     return os.environ.get(FORCE_PORTABLE_ENV, "0") == "1"
 
 
-def needs_full(bias: bool, mask: bool, block_mask: bool, alibi: bool, softcap: bool, dropout: bool) -> bool:
-    """Whether a call needs FullScores (anything beyond causal, window and lengths)."""
-    return bias or mask or block_mask or alibi or softcap or dropout
-
-
 @dataclass(frozen=True)
 class Call:
     """What kernel choice depends on: the dtype, the padded head dim ``hd`` (the bucket of
@@ -319,8 +378,13 @@ class Call:
     smem_limit: int
     allow_tf32: bool = False
     portable: bool = False    # FLASHCUPY_FORCE_PORTABLE: the SIMT kernels whatever the GPU
-    full: bool = False        # FullScores: some option beyond causal, window and lengths
+    scores: ScoreSet = PLAIN  # the options beyond causal, window and lengths
     deterministic: bool = False
+
+    @property
+    def full(self) -> bool:
+        """Some option beyond causal, window and lengths: the smaller tiles their registers need."""
+        return self.scores.full
 
     @property
     def simt(self) -> bool:
@@ -357,7 +421,8 @@ class Call:
 @dataclass(frozen=True)
 class ForwardRule:
     """Forward kernels for the calls ``when`` accepts: the product ``policy`` with ``mi_plain``
-    16-row groups per warp with PlainScores (FullScores' registers leave room for one), a Dv chunk of at most ``dv_cap`` columns, and (BLOCK_N,
+    16-row groups per warp with PlainScores (options' registers leave room for one), a Dv
+    chunk of at most ``dv_cap`` columns, and (BLOCK_N,
     NUM_WARPS) ``tiles`` in order of preference, with ``stages`` shared-memory stages of K
     and V (0: two up to a padded head dim of 64, one above; wgmma: two wherever they fit)."""
 
@@ -377,7 +442,7 @@ class ForwardRule:
         for block_n, warps in self.tiles:
             stages = self.stages or (2 if call.hd <= 64 else 1)
             mi = 1 if call.full else self.mi_plain
-            spec = KernelSpec(call.dtype, self.policy, call.hd, dv_tile, block_n, warps, call.full, stages, mi)
+            spec = KernelSpec(call.dtype, self.policy, call.hd, dv_tile, block_n, warps, call.scores, stages, mi)
             if self.policy == "wgmma" and dataclasses.replace(spec, stages=2).smem_bytes <= call.smem_limit:
                 spec = dataclasses.replace(spec, stages=2)
             out.append(spec)
@@ -407,8 +472,8 @@ FORWARD_RULES: tuple[ForwardRule, ...] = (
                 why="Hopper's warpgroup products at D = 256: two warpgroups a block and a 256-wide O, so Q K^T "
                     "is not taken twice (bench/NOTES.md, 'Forward 16-bit: one 256-wide O at D = 256')"),
     ForwardRule("wgmma16-full", lambda c: c.f16 and c.hopper and c.hd in WGMMA_HEAD_DIMS, "wgmma", ((64, 8), (64, 4)),
-                why="Hopper's warpgroup products with FullScores: a 128-wide O chunk (a wider one spills beside "
-                    "the full score pipeline)"),
+                why="Hopper's warpgroup products with score options: a 128-wide O chunk (a wider one spills "
+                    "beside the options' passes)"),
     ForwardRule("mma16-narrow", lambda c: c.f16 and (c.hd <= 64 or (c.full and c.hd <= 128)), "mma16", _F16_NARROW,
                 mi_plain=2, why="mma.sync; two row groups per warp in plain kernels, so each K and V fragment feeds two products "
                     "(bench/NOTES.md, 'Forward mma.sync: row groups, key tiles and stages')"),
@@ -449,8 +514,7 @@ class BackwardRule:
     warps per 16 keys of the dK/dV kernel, gradient columns in chunks of at most ``chunk``
     (a number or a function of the call), and ``tiles`` (a tuple or a function of the call)
     in order of preference. The dQ is fused into the dK/dV kernel unless the call asks for
-    determinism or a tile streams fewer than 16 rows; ``full_deterministic``: FullScores for
-    deterministic calls whatever their options. A tile takes two stages of the streamed
+    determinism or a tile streams fewer than 16 rows. A tile takes two stages of the streamed
     tiles while as many blocks fit on an SM as its registers allow (these kernels take up to
     255 registers a thread: 256 threads fill the file), and never beside 3xTF32's pre-split
     tiles."""
@@ -462,18 +526,16 @@ class BackwardRule:
     chunk: int | Callable[[Call], int]
     why: str
     roles: int = 1
-    full_deterministic: bool = False
     fallback: bool = False
 
     def candidates(self, call: Call) -> list[BackwardSpec]:
         tiles = self.tiles(call) if callable(self.tiles) else self.tiles
         chunk = min(call.hd, self.chunk(call) if callable(self.chunk) else self.chunk)
         dq_chunk = min(call.hd, 128) if self.policy == "mma16" else chunk
-        full = call.full or (self.full_deterministic and call.deterministic)
         out = []
         for block_r, block_c, mi, *two_stages_only in tiles:
             spec = BackwardSpec(call.dtype, self.policy, call.hd, dq_chunk, chunk, block_r, block_c,
-                                not call.deterministic and block_c % 16 == 0, 2, full, mi, self.roles)
+                                not call.deterministic and block_c % 16 == 0, 2, call.scores, mi, self.roles)
             if spec.presplit or max(1, 256 // spec.threads) * spec.smem_bytes > call.smem_limit:
                 if two_stages_only:
                     continue
@@ -490,7 +552,7 @@ class _WgmmaBackwardRule(BackwardRule):
 
     def candidates(self, call: Call) -> list[BackwardSpec]:
         spec = BackwardSpec(call.dtype, "wgmma", call.hd, call.hd, min(call.hd, 128), 128,
-                            128 if call.hd <= 64 else 64, True, 2, False, 1)
+                            128 if call.hd <= 64 else 64, True, 2, call.scores, 1)
         return [spec if spec.smem_bytes <= call.smem_limit else dataclasses.replace(spec, stages=1)]
 
 
@@ -499,7 +561,7 @@ _BWD_16 = ((64, 16, 1), (32, 16, 1), (16, 16, 1))                  # 16 streamed
 
 
 def _mma16_chunk(c: Call) -> int:
-    """dK and dV of a 128-wide chunk take 128 registers a thread; beside FullScores that
+    """dK and dV of a 128-wide chunk take 128 registers a thread; beside score options that
     spills at D > 128, and on sm_80 to sm_89 at D = 128 as well (sm_90's allocation fits)."""
     return 64 if c.full and (c.hd > 128 or (c.hd > 64 and c.arch < 90)) else 128
 
@@ -547,16 +609,14 @@ BACKWARD_RULES: tuple[BackwardRule, ...] = (
                  why="3xTF32 with the whole head in one chunk, so S and dP are not recomputed per chunk; 32 keys "
                      "a block, as 64 spill"),
     BackwardRule("3xtf32", lambda c: c.x3 and c.hd <= 64, "tf32x3", _BWD_BASE + ((16, 8, 1),), 64,
-                 why="3xTF32 with FullScores or determinism"),
+                 why="3xTF32 with score options or determinism"),
     BackwardRule("3xtf32-wide", lambda c: c.x3, "tf32x3", _BWD_16 + ((16, 8, 1),), 64,
                  why="3xTF32 above D = 64: 16 streamed rows (32 spill beside the split fragments)"),
     BackwardRule("dmma-split-roles", lambda c: c.f64 and _split_roles(c), "dmma", _BWD_16, 128, roles=2,
                  why="float64 DMMA, two warps per 16 keys, the whole head in one chunk and 8 warps in the one "
                      "block shared memory admits per SM (bench/NOTES.md, 'Backward: split roles')"),
     BackwardRule("dmma", lambda c: c.f64, "dmma", _BWD_16 + ((16, 8, 1),), lambda c: 32 if c.hd > 128 else 64,
-                 full_deterministic=True,
-                 why="float64 DMMA, 64-wide chunks up to D = 128 (32 above); deterministic calls take FullScores "
-                     "(its plain kernel without a fused dQ spills)"),
+                 why="float64 DMMA, 64-wide chunks up to D = 128 (32 above)"),
 )
 
 
@@ -592,9 +652,9 @@ def _choose(rules: tuple, call: Call, what: str) -> Choice:
 
 
 def _call(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool | None,
-          full: bool, deterministic: bool = False) -> Call:
+          scores: ScoreSet, deterministic: bool = False) -> Call:
     return Call(dtype, head_dim_bucket(max(d, dv)), arch, smem_limit, allow_tf32,
-                force_portable() if portable is None else portable, full, deterministic)
+                force_portable() if portable is None else portable, scores, deterministic)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -610,40 +670,41 @@ def choose_backward(call: Call) -> Choice:
 
 
 def select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
-                   portable: bool | None = None, full: bool = True) -> KernelSpec:
+                   portable: bool | None = None, scores: ScoreSet = PLAIN) -> KernelSpec:
     """The forward kernel for this problem on a GPU of compute capability ``arch`` (e.g. 90).
 
-    ``smem_limit`` is the device's opt-in shared memory per block in bytes; ``full``: some
-    option beyond causal, window and lengths is in use (see :func:`needs_full`). Raises
+    ``smem_limit`` is the device's opt-in shared memory per block in bytes; ``scores``: the
+    options beyond causal, window and lengths in use (:class:`ScoreSet`). Raises
     NoKernelError when no tile shape fits (float64 with D > 256 on 99 KB GPUs).
     """
     return _select_forward(dtype, d, dv, arch, smem_limit, allow_tf32,
-                           force_portable() if portable is None else portable, full)
+                           force_portable() if portable is None else portable, scores)
 
 
 @functools.lru_cache(maxsize=4096)
 def _select_forward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool,
-                    full: bool) -> KernelSpec:
+                    scores: ScoreSet) -> KernelSpec:
     """:func:`select_forward` keyed on its arguments, so that a repeated call costs one lookup."""
-    return choose_forward(_call(dtype, d, dv, arch, smem_limit, allow_tf32, portable, full)).spec
+    return choose_forward(_call(dtype, d, dv, arch, smem_limit, allow_tf32, portable, scores)).spec
 
 
 def select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool = False,
-                    portable: bool | None = None, deterministic: bool = False, full: bool = True) -> BackwardSpec:
+                    portable: bool | None = None, deterministic: bool = False,
+                    scores: ScoreSet = PLAIN) -> BackwardSpec:
     """The backward kernels for this problem on a GPU of compute capability ``arch``.
 
-    ``deterministic`` takes the unfused, order-fixed dQ kernel; ``full`` as for
+    ``deterministic`` takes the unfused, order-fixed dQ kernel; ``scores`` as for
     :func:`select_forward`. Raises NoKernelError when no tile fits.
     """
     return _select_backward(dtype, d, dv, arch, smem_limit, allow_tf32,
-                            force_portable() if portable is None else portable, deterministic, full)
+                            force_portable() if portable is None else portable, deterministic, scores)
 
 
 @functools.lru_cache(maxsize=4096)
 def _select_backward(dtype: str, d: int, dv: int, arch: int, smem_limit: int, allow_tf32: bool, portable: bool,
-                     deterministic: bool, full: bool) -> BackwardSpec:
+                     deterministic: bool, scores: ScoreSet) -> BackwardSpec:
     """:func:`select_backward` keyed on its arguments, so that a repeated call costs one lookup."""
-    return choose_backward(_call(dtype, d, dv, arch, smem_limit, allow_tf32, portable, full, deterministic)).spec
+    return choose_backward(_call(dtype, d, dv, arch, smem_limit, allow_tf32, portable, scores, deterministic)).spec
 
 
 def backward_key_block_major(spec: BackwardSpec, causal: bool) -> bool:
@@ -655,14 +716,16 @@ def backward_key_block_major(spec: BackwardSpec, causal: bool) -> bool:
 
 
 def _every_call(arch: int):
-    """Every distinct call kind on ``arch``: dtypes, head-dim buckets, flags."""
+    """Every distinct call kind on ``arch``: dtypes, head-dim buckets, flags; the plain score
+    set and every option at once (EVERY_OPTION: each option's code compiled; the kernels of
+    smaller sets compile the same code with less of it)."""
     for dtype in CXX_TYPE:
         for hd in HEAD_DIM_BUCKETS:
             for allow_tf32 in (False, True):
                 for portable in (False, True):
-                    for full in (False, True):
+                    for scores in (PLAIN, EVERY_OPTION):
                         for deterministic in (False, True):
-                            yield Call(dtype, hd, arch, ARCH_SMEM[arch], allow_tf32, portable, full, deterministic)
+                            yield Call(dtype, hd, arch, ARCH_SMEM[arch], allow_tf32, portable, scores, deterministic)
 
 
 def _all_specs(choose, arch: int) -> set:
@@ -678,13 +741,13 @@ def _all_specs(choose, arch: int) -> set:
 def all_forward_specs(arch: int) -> list[KernelSpec]:
     """Every spec :func:`select_forward` can return on ``arch``, for ahead-of-time compile checks."""
     return sorted(_all_specs(choose_forward, arch), key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_n,
-                                                                   s.num_warps, s.full, s.dv_tile))
+                                                                   s.num_warps, s.full, s.dv_tile, s.scores.mods))
 
 
 def all_backward_specs(arch: int) -> list[BackwardSpec]:
     """Every spec :func:`select_backward` can return on ``arch``."""
     return sorted(_all_specs(choose_backward, arch), key=lambda s: (s.dtype, s.policy, s.head_dim, s.block_r,
-                                                                    s.block_c, s.fused_dq, s.full, s.mi))
+                                                                    s.block_c, s.fused_dq, s.full, s.mi, s.scores.mods))
 
 
 def all_kernels(arch: int) -> list[tuple[str, str, int]]:

@@ -1,12 +1,12 @@
 // What the backward's key-major mainloops (the dK/dV kernel, flash_bwd.cu) share: the block's
 // keys and the query tiles it visits (BwdKeyBlock), the element pass that turns S^T and dP^T
-// into P^T and dS^T (BwdElements: the plain tiles' selections, and the full score pipeline),
+// into P^T and dS^T (BwdElements: the plain tiles' selections; full_elements: any options),
 // dQ's fused tile (warp_dq, add_dq_tile) and the epilogue that stores dK and dV.
 //
-// A dK/dV mainloop is a type with Element, Acc, kThreads, kSwizzled, kFull (whether it
-// takes FullScores), SharedStorage and kSmemBytes, and run(storage, block): the block's dK
-// and dV over every query tile, stored. Adding a pipeline is adding such a type (one header)
-// and the rule that picks it (flashcupy/cuda/rules.py).
+// A dK/dV mainloop is a type with Element, Acc, kThreads, kSwizzled, SharedStorage and
+// kSmemBytes, and run<ScoreSet>(storage, block): the block's dK and dV over every query tile
+// under the score option set ScoreSet (a ScoreMods), stored. Adding a pipeline is adding such
+// a type (one header) and the rule that picks it (flashcupy/cuda/spec.py).
 #pragma once
 
 #include "../bwd_params.cuh"
@@ -150,7 +150,7 @@ struct BwdQueryTile {
         // where lse < 0 and dQ = dS K came out NaN (tests/test_fuzz.py, fp16 scores of -6e4).
         const bool full_tile = i0 + BLOCK_C <= blk.i_hi && blk.j0 + BLOCK_R <= blk.hv0.kv_len;
         band = !tile_inside_band(blk.p, hv, i0, i1, blk.j0, blk.j0 + max(blk.keys_valid, 1));
-        fast = scores.plain && full_tile && !band;
+        fast = !Sc::kMasks && full_tile && !band;
     }
 };
 
@@ -225,22 +225,22 @@ struct BwdKeyBlock {
     // stage (STAGES = 2), and body(hv, scores, tile, st, next_hq, next_i0) computes the tile
     // from stage st, with the query head's view, its score modifiers and its rows; with one
     // stage, the body copies the next tile (next_hq < group) into it where the stage is free.
-    template <typename Acc, bool FULL, int STAGES, bool WARPGROUP, typename QTile, int THREADS, typename Storage,
+    template <typename Acc, typename Set, int STAGES, bool WARPGROUP, typename QTile, int THREADS, typename Storage,
               typename AfterFirst, typename BeforeWait, typename Body>
     __device__ __forceinline__ void walk(Storage& storage, AfterFirst after_first, BeforeWait before_wait,
                                          Body body) const {
         int hq = 0, i0 = i_first, st = 0;
-        advance<FULL>(hq, i0);
+        advance<Set>(hq, i0);
         if (hq < group) load_queries<QTile, THREADS>(storage, hq, i0, 0);
         after_first();
         while (hq < group) {
             int next_hq = hq, next_i0 = i0 + BLOCK_C;
-            advance<FULL>(next_hq, next_i0);
+            advance<Set>(next_hq, next_i0);
             before_wait();
             wait_tiles<0, WARPGROUP>();  // tile (hq, i0) has landed; every warp is done with the other stage and dS^T
             if (STAGES == 2 && next_hq < group) load_queries<QTile, THREADS>(storage, next_hq, next_i0, st ^ 1);
             const HeadView hv = query_head(hq);
-            const Scores<Acc, FULL> scores(p, hv);
+            const Scores<Acc, Set> scores(p, hv);
             BwdQueryTile tile(*this, i0);
             body(hv, scores, tile, st, next_hq, next_i0);
             hq = next_hq;
@@ -271,14 +271,14 @@ struct BwdKeyBlock {
     __device__ __forceinline__ HeadView query_head(int hq) const { return head_view(p, b * p.hq + hk * group + hq); }
 
     // Moves (hq, i0) to the next query tile with a live score (hq == group: none left). Only
-    // FullScores have masks that rule out whole tiles.
-    template <bool FULL>
+    // masks rule out whole tiles.
+    template <typename Set>
     __device__ __forceinline__ void advance(int& hq, int& i0) const {
         while (hq < group) {
             if (i0 < i_hi) {
-                if constexpr (!FULL) return;  // no mask or block mask: every tile in range is live
+                if constexpr ((Set::kMods & kModMasks) == 0) return;  // no mask: every tile in range is live
                 const HeadView hv = query_head(hq);
-                if (tile_live(p, hv, i0, min(i0 + BLOCK_C, i_hi), j0, j0 + max(keys_valid, 1))) return;  // uniform
+                if (tile_live<Set::kMods>(p, hv, i0, min(i0 + BLOCK_C, i_hi), j0, j0 + max(keys_valid, 1))) return;  // uniform
                 i0 += BLOCK_C;
             } else {
                 ++hq;
@@ -352,37 +352,41 @@ struct BwdElements {
     }
 };
 
-// The element pass of FullScores' tiles, one pass and one copy (a second spills beside the
-// full pipeline): P'^T = P^T z into s_t and dS^T into dp_t, with z = keep / (1 - p) of
-// dropout (dropout_scale = 1 / (1 - p)), and dS through the modifiers' derivative (dbias += dS,
-// added by the block's first gradient chunk alone; softcap's chain rule). FAST: P = exp2(S * scale * log2(e) - lse2), nothing selected.
-// Otherwise masked scores and padding get P = 0 and dS = 0 by selection, whatever P and
-// dP - D hold there (0 * an overflowed dP would be NaN).
-template <typename Acc, int MI, int NT, int BLOCK_R, int BLOCK_C>
+// The element pass of tiles with options (a ScoreMods other than PlainScores), one pass and
+// one copy (a second spills beside it): P'^T = P^T z into s_t and dS^T into dp_t, with z =
+// keep / (1 - p) of dropout (dropout_scale = 1 / (1 - p)), and dS through the modifiers'
+// derivative (dbias += dS, added by the block's first gradient chunk alone; softcap's chain
+// rule). A fast tile (no mask present, whole, inside the band) selects nothing: P =
+// exp2(value(S) - lse2). Otherwise masked scores and padding get P = 0 and dS = 0 by
+// selection, whatever P and dP - D hold there (0 * an overflowed dP would be NaN), before
+// the derivative sees dS.
+template <typename Acc, typename Set, int MI, int NT, int BLOCK_R, int BLOCK_C>
 __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
-                                              const Scores<Acc, true>& score, const BwdQueryTile& tile, int r0, int t,
-                                              const Acc* sLset,
-                                              const Acc* sDeltat, Acc dropout_scale, Acc (&s_t)[MI][NT][4],
-                                              Acc (&dp_t)[MI][NT][4]) {
+                                              const Scores<Acc, Set>& score, const BwdQueryTile& tile, int r0, int t,
+                                              const Acc* sLset, const Acc* sDeltat, Acc dropout_scale,
+                                              Acc (&s_t)[MI][NT][4], Acc (&dp_t)[MI][NT][4]) {
+    using Sc = Scores<Acc, Set>;
     const BwdParams& bp = blk.bp;
     const Params& p = blk.p;
     const bool fast = tile.fast;
-    const int i0 = tile.i0, i1 = tile.i1, j0 = blk.j0, keys_valid = blk.keys_valid;
+    const bool owner = blk.chunk == 0;
+    const int i0 = tile.i0, i1 = tile.i1, key_end = blk.j0 + blk.keys_valid;
     // Rows of S^T are keys j, columns queries i0 + c.
     each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
         const int i = i0 + c;
         const Acc raw = s;
-        // The log2-domain score minus lse2 (one FMA on the fast path); -inf where masked.
-        const Acc x = fast ? raw * score.op.scale_log2 - sLset[c]
-                           : (i < i1 && j < j0 + keys_valid ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>()) - sLset[c];
+        // The log2-domain score minus lse2; -inf where masked.
+        const Acc x = (fast ? (Sc::kPlain ? raw * score.op.scale_log2 : score.value(raw, i, j))
+                            : (i < i1 && j < key_end ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>()))
+                      - sLset[c];
         const bool live = fast || x != neg_inf<Acc>();
         const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
         Acc z = Acc(1);
-        if (p.dropout_threshold != 0) z = score.keep(i, j) ? dropout_scale : Acc(0);
-        Acc ds = pe * (dp * z - sDeltat[c]);  // dS^T = P^T (dP^T z - D)
-        if (!fast) score.derivative(bp, ds, raw, i, j, blk.chunk == 0);  // dbias += dS; softcap's chain rule
+        if constexpr (Sc::kDropout) z = score.keep(i, j) ? dropout_scale : Acc(0);
+        Acc ds = live ? pe * (dp * z - sDeltat[c]) : Acc(0);  // dS^T = P^T (dP^T z - D)
+        score.derivative(bp, ds, raw, i, j, owner);  // dbias += dS; softcap's chain rule
         s = pe * z;  // P' = P z
-        dp = live ? ds : Acc(0);
+        dp = ds;
     }, dp_t);
 }
 

@@ -80,8 +80,8 @@ struct BwdSplitRoles {
                 tf32_split_chunks<BLOCK_C, HD / 4, kThreads>(storage.dout(), storage.dout() + LO, padded_chunk);
             }
         };
-        blk.template walk<Acc, false, STAGES, false, QTile, kThreads>(storage, split_keys, split_queries, [&](
-            const HeadView& hv, const Scores<Acc, false>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
+        blk.template walk<Acc, PlainScores, STAGES, false, QTile, kThreads>(storage, split_keys, split_queries, [&](
+            const HeadView& hv, const Scores<Acc, PlainScores>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
             const int i0 = tile.i0;
             const T* sQt = storage.q(st);
             const T* sdOt = storage.dout(st);

@@ -4,7 +4,7 @@
 // (DQ != kDqOwnKernel) the warps then park dS^T in shared memory and compute the tile's
 // dQ = dS K over all the block's keys, added into dQ's accumulator with atomics.
 // STAGES (1 or 2): shared-memory stages of the streamed Q, dO and statistics; with two, the
-// next tile's copies run during the current tile's products. FullScores or PlainScores.
+// next tile's copies run during the current tile's products. Any score option set.
 #pragma once
 
 #include "bwd_common.cuh"
@@ -37,7 +37,7 @@ struct BwdWarp {
 
     template <typename ScoreSet>
     static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {
-        constexpr bool FULL = ScoreSet::kFull;
+        constexpr bool FULL = ScoreSet::kFull;  // options: full_elements
         constexpr int NT = BLOCK_C / 8, NC = CH / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
@@ -54,8 +54,8 @@ struct BwdWarp {
         const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
 
         auto nothing = [] {};
-        blk.template walk<Acc, FULL, STAGES, false, QTile, kThreads>(storage, nothing, nothing, [&](
-            const HeadView& hv, const Scores<Acc, FULL>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
+        blk.template walk<Acc, ScoreSet, STAGES, false, QTile, kThreads>(storage, nothing, nothing, [&](
+            const HeadView& hv, const Scores<Acc, ScoreSet>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
             const int i0 = tile.i0;
             const T* sQt = storage.q(st);
             const T* sdOt = storage.dout(st);
@@ -64,8 +64,9 @@ struct BwdWarp {
             zero_acc(s_t);
             zero_acc(dp_t);
             // Two row groups keep dK and dV for 32 keys live: unroll two k-steps, not all; float64
-            // beside FullScores' element pass has no register for a second k-step's fragments.
-            constexpr int K_UNROLL = MI == 2 ? 2 : FULL && sizeof(Acc) == 8 ? 1 : 0;
+            // beside full_elements, or without a fused dQ, has no register for a second k-step's
+            // fragments.
+            constexpr int K_UNROLL = MI == 2 ? 2 : (FULL || !FUSED_DQ) && sizeof(Acc) == 8 ? 1 : 0;
             Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sK + 16 * MI * warp * LD, sQt, s_t);    // S^T = K Q^T
             Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sV + 16 * MI * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
             tile.classify(blk, hv, scores);

@@ -51,8 +51,8 @@ struct BwdWgmma {
         zero_acc(dv);
 
         auto nothing = [] {};
-        blk.template walk<Acc, false, STAGES, true, QTile, kThreads>(storage, nothing, nothing, [&](
-            const HeadView& hv, const Scores<Acc, false>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
+        blk.template walk<Acc, PlainScores, STAGES, true, QTile, kThreads>(storage, nothing, nothing, [&](
+            const HeadView& hv, const Scores<Acc, PlainScores>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
             const int i0 = tile.i0;
             const T* sQt = storage.q(st);
             const T* sdOt = storage.dout(st);

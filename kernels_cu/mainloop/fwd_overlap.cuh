@@ -2,7 +2,7 @@
 // (FlashAttention-3's overlap inside a warpgroup): S_next = Q K_next^T is issued before
 // O += P V of the current tile, and S_next's softmax runs on the CUDA cores while the tensor
 // cores compute P V; O is rescaled for S_next's maxima once P V has landed. It costs a
-// second score buffer, S_next live beside P and O: with the full score pipeline at HD = 256
+// second score buffer, S_next live beside P and O: with score options at HD = 256
 // that spills, and those kernels take FwdSerial (the rule table's choice).
 //
 // Tile i's K and V sit in stage i % 2, but K runs a tile ahead of V: iteration i reads

@@ -1,6 +1,12 @@
 // The score options of docs/semantics.md, shared by every attention kernel:
 //   s = scale * q.k -> softcap -> + bias + ALiBi -> -inf where any mask says no,
 // plus the per-tile test that lets a kernel skip key tiles no score survives in.
+//
+// A kernel is compiled for the exact set of options its call uses (ScoreMods: a bit per
+// option and the bias' element type), so each option costs its arithmetic and nothing else:
+// no per-score branch on an option that is absent, and the passes of the options present
+// interleave freely (a uniform run-time branch per option and score splits the unrolled
+// tile loops into blocks ptxas schedules one after another).
 #pragma once
 
 #include "../mma/common.cuh"
@@ -8,11 +14,40 @@
 
 namespace flash {
 
+// The options a kernel is compiled with, one bit each (flashcupy/cuda/spec.py names them).
+enum ScoreMod : unsigned {
+    kModSoftcap = 1u,    // s = c tanh(s / c)
+    kModBias = 2u,       // s += bias
+    kModAlibi = 4u,      // s -= slope |i + Lk - Lq - j|
+    kModMask = 8u,       // boolean mask, one byte per score
+    kModBlockMask = 16u, // boolean block mask, one byte per (block_size, block_size) block
+    kModDropout = 32u,   // dropout on P
+};
+constexpr unsigned kModValues = kModSoftcap | kModBias | kModAlibi;  // options that change a score's value
+constexpr unsigned kModMasks = kModMask | kModBlockMask;             // options that mask scores beyond the band
+
+template <typename T> constexpr bool kIsVoid = false;
+template <> constexpr bool kIsVoid<void> = true;
+
+// A kernel's score option set: MODS (ScoreMod bits) and B, the bias' element type (void
+// without a bias). The host passes exactly the options of the call: a bit set means the
+// option is present (its pointer non-null, dropout_threshold non-zero), so no kernel tests
+// for it again.
+template <unsigned MODS, typename B = void>
+struct ScoreMods {
+    static constexpr unsigned kMods = MODS;
+    using Bias = B;
+    static constexpr bool kFull = MODS != 0;
+    static_assert(((MODS & kModBias) != 0) == !kIsVoid<B>, "a bias type exactly when the bias bit is set");
+};
+using PlainScores = ScoreMods<0>;
+
 // Does some score of tile [i0, i1) x [j0, j1) survive block_mask and mask? Called by every
 // thread of the block (it ends in a barrier); the caller then skips the tile entirely.
+template <unsigned MODS>
 __device__ __forceinline__ bool tile_live(const Params& p, const HeadView& hv, int i0, int i1, int j0, int j1) {
     bool live = true;
-    if (p.block_mask != nullptr) {
+    if constexpr ((MODS & kModBlockMask) != 0) {
         const int bs = p.block_size;
         const int bi0 = i0 / bs, bi1 = (i1 - 1) / bs, bj0 = j0 / bs, bj1 = (j1 - 1) / bs;
         const int nbj = bj1 - bj0 + 1;
@@ -25,48 +60,83 @@ __device__ __forceinline__ bool tile_live(const Params& p, const HeadView& hv, i
         }
         live = __syncthreads_or(any) != 0;
     }
-    if (live && p.mask != nullptr) {
-        const int cols = j1 - j0;
-        const int count = (i1 - i0) * cols;
-        const bool* base = p.mask + hv.b * p.mask_sb + hv.h * p.mask_sh;
-        bool any = false;
-        for (int t = threadIdx.x; t < count && !any; t += blockDim.x) {
-            const int i = i0 + t / cols, j = j0 + t % cols;
-            any |= base[i * p.mask_si + j * p.mask_sj];
+    if constexpr ((MODS & kModMask) != 0) {
+        if (live) {
+            const int cols = j1 - j0;
+            const int count = (i1 - i0) * cols;
+            const bool* base = p.mask + hv.b * p.mask_sb + hv.h * p.mask_sh;
+            bool any = false;
+            for (int t = threadIdx.x; t < count && !any; t += blockDim.x) {
+                const int i = i0 + t / cols, j = j0 + t % cols;
+                any |= base[i * p.mask_si + j * p.mask_sj];
+            }
+            live = __syncthreads_or(any) != 0;
         }
-        live = __syncthreads_or(any) != 0;
     }
     return live;
 }
 
-// Everything a thread needs to turn raw products q.k into log2-domain scores.
-template <typename Acc>
+// Everything a thread needs to turn raw products q.k into log2-domain scores under the
+// option set Set (a ScoreMods).
+template <typename Acc, typename Set>
 struct ScoreOp {
+    static constexpr unsigned M = Set::kMods;
+    using B = typename Set::Bias;
     Acc scale_log2;      // scale * log2(e) (no softcap)
     Acc scale;           // scale (softcap)
     Acc softcap, inv_softcap;
-    Acc slope_log2;      // ALiBi slope * log2(e), 0 without ALiBi
-    const void* bias;    // this head's bias, or nullptr
-    const bool* mask;    // this head's mask, or nullptr
+    Acc slope_log2;      // ALiBi slope * log2(e)
+    const B* bias;       // this head's bias
+    const bool* mask;    // this head's mask
     const bool* block_mask;
 
     __device__ __forceinline__ ScoreOp(const Params& p, const HeadView& hv) {
         scale = static_cast<Acc>(p.scale);
         scale_log2 = static_cast<Acc>(p.scale * kLog2e);
         softcap = static_cast<Acc>(p.softcap);
-        inv_softcap = p.has_softcap ? static_cast<Acc>(1.0 / p.softcap) : Acc(0);
-        slope_log2 = p.alibi != nullptr
-            ? static_cast<Acc>(p.alibi[hv.b * p.alibi_sb + hv.h * p.alibi_sh] * kLog2e) : Acc(0);
-        bias = p.bias != nullptr
-            ? static_cast<const void*>(static_cast<const char*>(p.bias)
-                                       + (hv.b * p.bias_sb + hv.h * p.bias_sh) * elem_size(p.bias_dtype))
-            : nullptr;
-        mask = p.mask != nullptr ? p.mask + hv.b * p.mask_sb + hv.h * p.mask_sh : nullptr;
-        block_mask = p.block_mask != nullptr ? p.block_mask + hv.b * p.bm_sb + hv.h * p.bm_sh : nullptr;
+        inv_softcap = static_cast<Acc>((M & kModSoftcap) != 0 ? 1.0 / p.softcap : 0.0);
+        slope_log2 = (M & kModAlibi) != 0 ? static_cast<Acc>(p.alibi[hv.b * p.alibi_sb + hv.h * p.alibi_sh] * kLog2e)
+                                          : Acc(0);
+        if constexpr ((M & kModBias) != 0) {
+            bias = static_cast<const B*>(p.bias) + (hv.b * p.bias_sb + hv.h * p.bias_sh);
+        } else {
+            bias = nullptr;
+        }
+        mask = (M & kModMask) != 0 ? p.mask + hv.b * p.mask_sb + hv.h * p.mask_sh : nullptr;
+        block_mask = (M & kModBlockMask) != 0 ? p.block_mask + hv.b * p.bm_sb + hv.h * p.bm_sh : nullptr;
     }
 
-    static __device__ __forceinline__ i64 elem_size(i32 dtype) {
-        return dtype == kF64 ? 8 : dtype == kF32 ? 4 : 2;
+    // bias[i, j] * log2(e).
+    __device__ __forceinline__ Acc bias_log2(const Params& p, int i, int j) const {
+        if constexpr ((M & kModBias) != 0) {
+            return static_cast<Acc>(widen(bias[i * p.bias_si + j * p.bias_sj])) * static_cast<Acc>(kLog2e);
+        } else {
+            return Acc(0);
+        }
+    }
+
+    // The log2-domain value of score (i, j) from raw = q.k, before any mask: scale and
+    // softcap, then bias (read at row min(i, q_len - 1): rows past q_len are discarded, and
+    // must not read past the bias), then ALiBi.
+    __device__ __forceinline__ Acc value(const Params& p, const HeadView& hv, Acc raw, int i, int j) const {
+        Acc s;
+        if constexpr ((M & kModSoftcap) != 0) {
+            s = softcap * tanh_acc(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
+        } else {
+            s = raw * scale_log2;
+        }
+        if constexpr ((M & kModBias) != 0) s += bias_log2(p, min(i, hv.q_len - 1), j);
+        if constexpr ((M & kModAlibi) != 0) s -= slope_log2 * static_cast<Acc>(abs(i + hv.diagonal - j));
+        return s;
+    }
+
+    // Does score (i, j) survive mask and block_mask?
+    __device__ __forceinline__ bool unmasked(const Params& p, int i, int j) const {
+        bool keep = true;
+        if constexpr ((M & kModMask) != 0) keep &= mask[i * p.mask_si + j * p.mask_sj];
+        if constexpr ((M & kModBlockMask) != 0)
+            keep &= block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
+        return keep;
     }
 
     // The log2-domain score of row i < q_len, key j < kv_len (positions inside the sequence)
@@ -75,76 +145,47 @@ struct ScoreOp {
     // compiler hoists what it can).
     __device__ __forceinline__ Acc operator()(const Params& p, const HeadView& hv, Acc raw, int i, int j,
                                               bool check_band, const Band& band) const {
-        Acc s;
-        if (p.has_softcap) {
-            s = softcap * tanh_acc(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
-        } else {
-            s = raw * scale_log2;
-        }
-        if (bias != nullptr) s += load_as<Acc>(bias, i * p.bias_si + j * p.bias_sj, p.bias_dtype) * static_cast<Acc>(kLog2e);
-        if (p.alibi != nullptr) {
-            const int dist = abs(i + hv.diagonal - j);  // s -= slope * |i + Lk - Lq - j|
-            s -= slope_log2 * static_cast<Acc>(dist);
-        }
-        bool keep = !check_band | band(i, j);
-        if (mask != nullptr) keep &= mask[i * p.mask_si + j * p.mask_sj];
-        if (block_mask != nullptr) keep &= block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
-        return keep ? s : neg_inf<Acc>();
+        const bool keep = (!check_band | band(i, j)) && unmasked(p, i, j);
+        return keep ? value(p, hv, raw, i, j) : neg_inf<Acc>();
     }
 
-    // tile's bias pass for a bias of element type B: s += bias * log2(e) inside (q_len, j_end).
-    template <typename B, int MI, int NP>
-    __device__ __forceinline__ void add_bias(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
-                                             int t, int j_end) const {
-        const B* b = static_cast<const B*>(bias);
-        each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
-            x += i < hv.q_len && j < j_end ? static_cast<Acc>(widen(b[i * p.bias_si + j * p.bias_sj])) * static_cast<Acc>(kLog2e)
-                                           : Acc(0);
-        });
-    }
-
-    // operator() on a whole (16 MI, 8 NP) accumulator tile of S = Q K^T (mma/common.cuh's
-    // layout: rows r0 + 8 x for x = 2 mi + (e >> 1), keys jt0 + 8 n + 2 t + (e & 1)), rows
-    // from q_len and keys from j_end masked. One pass over the tile per option present, with
-    // the option's test outside the pass: tested element by element, the options' branches
-    // cost far more than their arithmetic (bench/NOTES.md, 'Forward: score options one pass
-    // each').
-    // Bias and mask are read only inside (q_len, j_end).
+    // value() on a whole (16 MI, 8 NP) accumulator tile of S = Q K^T (mma/common.cuh's
+    // layout: rows r0 + 8 x for x = 2 mi + (e >> 1), keys jt0 + 8 n + 2 t + (e & 1)), one
+    // pass per option present. The bias is read only at keys below j_end (keys past it are
+    // the tile's padding).
     template <int MI, int NP>
-    __device__ __forceinline__ void tile(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
-                                         int t, int j_end, bool check_band) const {
-        const Acc log2e = static_cast<Acc>(kLog2e);
-        auto inside = [&](int i, int j) { return (i < hv.q_len) & (j < j_end); };
-        const Band in_band(p, hv);
-        if (p.has_softcap) {
+    __device__ __forceinline__ void values(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
+                                           int t, int j_end) const {
+        if constexpr ((M & kModSoftcap) != 0) {
+            const Acc log2e = static_cast<Acc>(kLog2e);
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * tanh_acc(x * scale * inv_softcap) * log2e; });
         } else {
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x *= scale_log2; });
         }
-        if (bias != nullptr) {
-            // float64: one pass reading through load_as (four copies of the pass spill there).
-            if constexpr (sizeof(Acc) == 8) {
-                each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
-                    x += inside(i, j) ? load_as<Acc>(bias, i * p.bias_si + j * p.bias_sj, p.bias_dtype) * log2e : Acc(0);
-                });
-            } else {
-                switch (p.bias_dtype) {
-                    case kF16: add_bias<__half>(p, hv, s, r0, jt0, t, j_end); break;
-                    case kBF16: add_bias<__nv_bfloat16>(p, hv, s, r0, jt0, t, j_end); break;
-                    case kF32: add_bias<float>(p, hv, s, r0, jt0, t, j_end); break;
-                    default: add_bias<double>(p, hv, s, r0, jt0, t, j_end); break;
-                }
-            }
+        if constexpr ((M & kModBias) != 0) {
+            const int last_row = hv.q_len - 1;
+            each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
+                x += j < j_end ? bias_log2(p, min(i, last_row), j) : Acc(0);
+            });
         }
-        if (p.alibi != nullptr) {  // s -= slope * |i + Lk - Lq - j|
+        if constexpr ((M & kModAlibi) != 0) {  // s -= slope * |i + Lk - Lq - j|
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x -= slope_log2 * static_cast<Acc>(abs(i + hv.diagonal - j)); });
         }
-        if (mask != nullptr || block_mask != nullptr) {
+    }
+
+    // values(), then, with `select`, -inf outside (q_len, j_end), outside the band where the
+    // tile crosses its edge (check_band), and wherever a mask says no. Masks are read only
+    // inside (q_len, j_end).
+    template <int MI, int NP>
+    __device__ __forceinline__ void tile(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
+                                         int t, int j_end, bool check_band, bool select) const {
+        values(p, hv, s, r0, jt0, t, j_end);
+        if (!select) return;
+        auto inside = [&](int i, int j) { return (i < hv.q_len) & (j < j_end); };
+        const Band in_band(p, hv);
+        if constexpr ((M & kModMasks) != 0) {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
-                bool keep = inside(i, j) & (!check_band | in_band(i, j));
-                if (mask != nullptr) keep = keep && mask[i * p.mask_si + j * p.mask_sj];
-                if (block_mask != nullptr)
-                    keep = keep && block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
+                const bool keep = inside(i, j) & (!check_band | in_band(i, j)) && unmasked(p, i, j);
                 x = keep ? x : neg_inf<Acc>();
             });
         } else if (check_band) {
