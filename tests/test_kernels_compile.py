@@ -559,3 +559,24 @@ def test_every_kernel_is_in_one_class(family, arch):
     for k in kernels(family, arch):
         owners = [c.name for c in CLASSES if _in_class(k, c, arch)]
         assert len(owners) == 1, f"sm_{arch} {k.name_expression}: in classes {owners}"
+
+
+@pytest.mark.compile_matrix
+def test_wgmma_backward_takes_only_option_sets_that_compile_without_spills():
+    """Every score option set the warpgroup dK/dV kernel admits (spec.wgmma_backward_takes), at
+    each of its head dims, compiles for sm_90 without a spill; the matrix above compiles only
+    the plain set and every option at once."""
+    from itertools import combinations
+
+    from flashcupy.cuda.spec import ARCH_SMEM, SCORE_MODS, WGMMA_BACKWARD_HEAD_DIMS, ScoreSet, select_backward
+
+    specs = {}
+    for d in WGMMA_BACKWARD_HEAD_DIMS:
+        for size in range(1, len(SCORE_MODS) + 1):
+            for mods in combinations(SCORE_MODS, size):
+                scores = ScoreSet(mods, "float16" if "bias" in mods else None)
+                spec = select_backward("float16", d, d, 90, ARCH_SMEM[90], scores=scores)
+                if spec.policy == "wgmma":
+                    specs[spec.dkdv_name] = Kernel(spec.dkdv_name, "wgmma", "flash::BwdParams", d, "float16", True)
+    assert len(specs) > 3 * len(SCORE_MODS), sorted(specs)
+    check_report(compile_for_arch("backward", list(specs), 90), list(specs.values()), 90)

@@ -548,12 +548,24 @@ class BackwardRule:
 class _WgmmaBackwardRule(BackwardRule):
     """The warpgroup dK/dV kernel: two warpgroups of 64 keys; up to D = 128 the whole head
     in one chunk, D = 256 in two (S^T and dP^T recomputed per chunk); 128-query tiles at
-    D <= 64, 64 above; two stages where they fit."""
+    D <= 64 without score options, 64 otherwise; two stages where they fit."""
 
     def candidates(self, call: Call) -> list[BackwardSpec]:
         spec = BackwardSpec(call.dtype, "wgmma", call.hd, call.hd, min(call.hd, 128), 128,
-                            128 if call.hd <= 64 else 64, True, 2, call.scores, 1)
+                            128 if call.hd <= 64 and not call.full else 64, True, 2, call.scores, 1)
         return [spec if spec.smem_bytes <= call.smem_limit else dataclasses.replace(spec, stages=1)]
+
+
+def wgmma_backward_takes(hd: int, scores: ScoreSet) -> bool:
+    """Whether the warpgroup dK/dV kernel takes calls of padded head dim ``hd`` with the
+    options ``scores`` without a spill (ptxas, sm_90; 64-query tiles with options): at D = 64
+    any set but dropout beside a mask; above, at most two options and no dropout (its
+    per-score Philox and more options spill beside the 128-wide dK and dV). The others take
+    mma.sync. tests/test_kernels_compile.py compiles every set this admits."""
+    mods = set(scores.mods)
+    if hd <= 64:
+        return not ("dropout" in mods and mods & {"mask", "block_mask"})
+    return len(mods) <= 2 and "dropout" not in mods
 
 
 _BWD_BASE = ((64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))   # one role, 32 or 16 streamed rows
@@ -582,7 +594,8 @@ def _split_roles(c: Call) -> bool:
 #: The backward's rules, in order (see the module docstring).
 BACKWARD_RULES: tuple[BackwardRule, ...] = (
     _WgmmaBackwardRule("wgmma16", lambda c: c.f16 and c.hopper and c.hd in WGMMA_BACKWARD_HEAD_DIMS
-                       and not (c.deterministic or c.full), "wgmma", (), 128, fallback=True,
+                       and not c.deterministic and wgmma_backward_takes(c.hd, c.scores), "wgmma", (), 128,
+                       fallback=True,
                        why="Hopper's warpgroup dK/dV kernel, dQ fused (bench/NOTES.md, 'Backward 16-bit: "
                            "wgmma on Hopper')"),
     BackwardRule("portable-f64", lambda c: c.simt and c.dtype == "float64", "simt", _BWD_16 + ((16, 8, 1),), 32,

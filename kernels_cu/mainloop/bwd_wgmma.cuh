@@ -1,5 +1,5 @@
-// The dK/dV mainloop on Hopper's warpgroup products (sm_90a, float16/bfloat16, PlainScores,
-// dQ fused): each warpgroup owns 64 keys and multiplies them at once from swizzled tiles:
+// The dK/dV mainloop on Hopper's warpgroup products (sm_90a, float16/bfloat16, any score
+// option set, dQ fused): each warpgroup owns 64 keys and multiplies them at once from swizzled tiles:
 // S^T and dP^T with K and V as A operands from shared memory (P^T taken while dP^T is still
 // on the tensor cores), dV and dK with P'^T and dS^T as A operands from registers; dS^T goes
 // to shared memory, and warpgroup w computes the dQ tile's columns [w NQW, (w + 1) NQW) over
@@ -35,7 +35,7 @@ struct BwdWgmma {
 
     template <typename ScoreSet>
     static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {
-        static_assert(!ScoreSet::kFull, "the warpgroup dK/dV kernel takes PlainScores");
+        constexpr bool FULL = ScoreSet::kFull;  // options: full_elements
         constexpr int NT = BLOCK_C / 8, NC = CH / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
@@ -50,9 +50,10 @@ struct BwdWgmma {
         zero_acc(dk);
         zero_acc(dv);
 
+        const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
         auto nothing = [] {};
-        blk.template walk<Acc, PlainScores, STAGES, true, QTile, kThreads>(storage, nothing, nothing, [&](
-            const HeadView& hv, const Scores<Acc, PlainScores>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
+        blk.template walk<Acc, ScoreSet, STAGES, true, QTile, kThreads>(storage, nothing, nothing, [&](
+            const HeadView& hv, const Scores<Acc, ScoreSet>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
             const int i0 = tile.i0;
             const T* sQt = storage.q(st);
             const T* sdOt = storage.dout(st);
@@ -63,18 +64,29 @@ struct BwdWgmma {
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sK, sQt, s_t);    // S^T = K Q^T
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
             tile.classify(blk, hv, scores);
-            const BwdElements<Acc, false> el{TileBand<false>(p, hv, tile.band), scores.op.scale_log2, storage.lse(st),
-                                             storage.delta(st), i0, tile.i1, blk.j0 + blk.keys_valid};
-            // P in a first pass while dP^T is still on the tensor cores, dS in a second.
-            wgmma_wait<1>();  // S^T has landed; dP^T may still run
-            fence_regs(s_t[0]);
-            each_element(s_t, r0, 0, t, [&](Acc& s, int, int c) { el.exponentiate(s, c); });
-            wgmma_wait<0>();
-            fence_regs(dp_t[0]);
-            by_tile(tile.fast, [&](const bool FAST) {
-                each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) { el.differentiate(FAST, s, dp, c, j); },
-                             dp_t);
-            });
+            if constexpr (FULL) {
+                // One element pass over S^T and dP^T together, once both have landed.
+                wgmma_wait<0>();
+                fence_regs(s_t[0]);
+                fence_regs(dp_t[0]);
+                full_elements(blk, hv, scores, tile, r0, t, storage.lse(st), storage.delta(st), dropout_scale, s_t,
+                              dp_t);
+            } else {
+                const BwdElements<Acc, false> el{TileBand<false>(p, hv, tile.band), scores.op.scale_log2,
+                                                 storage.lse(st), storage.delta(st), i0, tile.i1,
+                                                 blk.j0 + blk.keys_valid};
+                // P in a first pass while dP^T is still on the tensor cores, dS in a second.
+                wgmma_wait<1>();  // S^T has landed; dP^T may still run
+                fence_regs(s_t[0]);
+                each_element(s_t, r0, 0, t, [&](Acc& s, int, int c) { el.exponentiate(s, c); });
+                wgmma_wait<0>();
+                fence_regs(dp_t[0]);
+                by_tile(tile.fast, [&](const bool FAST) {
+                    each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
+                        el.differentiate(FAST, s, dp, c, j);
+                    }, dp_t);
+                });
+            }
             typename Policy::template PFrag<BLOCK_C> pf, dsf;
             Policy::template pack_p<BLOCK_C>(s_t, pf);
             Policy::template pack_p<BLOCK_C>(dp_t, dsf);
