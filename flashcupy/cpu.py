@@ -368,11 +368,15 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
 
     groups = _groups(pb)
     splits = backward_splits(pb, len(groups))
+    # Key ranges of whole tiles, cut at the same keys in every group (from the longest), so
+    # that one part's units of all groups touch the same dbias columns: _backward_tasks runs
+    # those of a shared dbias slice in one task, and the parts' columns never overlap.
+    longest = max((group[0].kv_len for group in groups), default=1)
+    step = -(-max(longest, 1) // splits)
+    step = -(-step // block_n) * block_n
     units = []
     for group in groups:
         kv_len = group[0].kv_len
-        step = -(-max(kv_len, 1) // splits)
-        step = -(-step // block_n) * block_n  # key ranges of whole tiles
         for part, start in enumerate(range(0, max(kv_len, 1), step)):
             units.append(_Unit(group, start, min(start + step, kv_len), part))
     dq_parts: dict[tuple[int, int], np.ndarray] = {}  # (part, segment bh) -> dQ of a later key range

@@ -73,10 +73,25 @@ def test_results_bitwise_equal_across_thread_counts(jit, case):
             assert_bitwise_equal(one, run(case, threads))
 
 
+def _lengths_apart() -> Case:
+    """Batch entries of different key lengths under a bias broadcast over batch, heads and
+    rows: key ranges cut per entry's own length overlapped across entries, and two tasks
+    added into the same dbias columns in whichever order the threads ran them."""
+    rs = np.random.default_rng(3)
+    q = rs.standard_normal((2, 2, 1, 1, 40)).astype(F32)
+    k = rs.standard_normal((2, 2, 1, 43, 40)).astype(F32)
+    v = rs.standard_normal((2, 2, 1, 43, 40)).astype(F32)
+    dout = rs.standard_normal((2, 2, 1, 1, 40)).astype(F32)
+    options = {"bias": rs.standard_normal((1, 43)).astype(F32), "kv_lengths": np.array([[25, 40], [34, 3]]),
+               "scale": 0.0}
+    return Case(q, k, v, dout, options, (16, 16))
+
+
 @pytest.mark.parametrize("jit", JIT)
 @pytest.mark.parametrize("splits", [2, 3])
 @given(case=cases(dtypes=(F32, F64)))
 @example(case=_many_tasks(2, F32, True, 2))
+@example(case=_lengths_apart())
 def test_backward_with_key_ranges_matches_reference(jit, splits, case):
     """Groups cut into key ranges (few heads on many cores) sum dQ correctly, bitwise alike
     on every thread count."""
