@@ -44,11 +44,4 @@ __device__ __forceinline__ void dropout_keep_pair(u64 seed, u32 offset, u32 bh, 
     keep1 = (upper ? r.w : r.y) >= threshold;
 }
 
-// Keep bit of one (row i, column j): word (j & 3) of the call that serves columns j & ~3.
-__device__ __forceinline__ bool dropout_keep_one(u64 seed, u32 offset, u32 bh, u32 i, u32 j, u32 threshold) {
-    const Philox4 r = philox4x32_10(j >> 2, i, bh, offset, static_cast<u32>(seed), static_cast<u32>(seed >> 32));
-    const u32 word = (j & 2) ? ((j & 1) ? r.w : r.z) : ((j & 1) ? r.y : r.x);
-    return word >= threshold;
-}
-
 }  // namespace flash

@@ -209,7 +209,7 @@ def test_kernel_selection_cache_matches_uncached_and_follows_the_portable_switch
                         else:
                             assert cached(dtype, d, d, arch, smem, tf32, portable, *extra) == want
     assert S.select_forward("float16", 64, 64, 80, S.ARCH_SMEM[80]).policy == "mma16"
-    assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90], scores=S.EVERY_OPTION).policy == "mma16"
+    assert S.select_backward("float16", 128, 128, 90, S.ARCH_SMEM[90], scores=S.EVERY_OPTION).policy == "mma16"
     assert S.select_backward("float16", 64, 64, 90, S.ARCH_SMEM[90]).policy == "wgmma"
     assert S.select_forward("float16", 128, 128, 90, S.ARCH_SMEM[90]).policy == "wgmma"
     monkeypatch.setenv(S.FORCE_PORTABLE_ENV, "1")

@@ -422,14 +422,14 @@ class Call:
 class ForwardRule:
     """Forward kernels for the calls ``when`` accepts: the product ``policy`` with ``mi_plain``
     16-row groups per warp with PlainScores (options' registers leave room for one), a Dv
-    chunk of at most ``dv_cap`` columns, and (BLOCK_N,
-    NUM_WARPS) ``tiles`` in order of preference, with ``stages`` shared-memory stages of K
+    chunk of at most ``dv_cap`` columns, and (BLOCK_N, NUM_WARPS) ``tiles`` (a tuple or a
+    function of the call) in order of preference, with ``stages`` shared-memory stages of K
     and V (0: two up to a padded head dim of 64, one above; wgmma: two wherever they fit)."""
 
     name: str
     when: Callable[[Call], bool]
     policy: str
-    tiles: tuple[tuple[int, int], ...]
+    tiles: tuple[tuple[int, int], ...] | Callable[[Call], tuple[tuple[int, int], ...]]
     why: str
     mi_plain: int = 1
     dv_cap: int = 128
@@ -439,7 +439,7 @@ class ForwardRule:
     def candidates(self, call: Call) -> list[KernelSpec]:
         dv_tile = min(call.hd, self.dv_cap)
         out = []
-        for block_n, warps in self.tiles:
+        for block_n, warps in self.tiles(call) if callable(self.tiles) else self.tiles:
             stages = self.stages or (2 if call.hd <= 64 else 1)
             mi = 1 if call.full else self.mi_plain
             spec = KernelSpec(call.dtype, self.policy, call.hd, dv_tile, block_n, warps, call.scores, stages, mi)
@@ -471,9 +471,10 @@ FORWARD_RULES: tuple[ForwardRule, ...] = (
                 ((64, 8), (64, 4)), dv_cap=256,
                 why="Hopper's warpgroup products at D = 256: two warpgroups a block and a 256-wide O, so Q K^T "
                     "is not taken twice (bench/NOTES.md, 'Forward 16-bit: one 256-wide O at D = 256')"),
-    ForwardRule("wgmma16-full", lambda c: c.f16 and c.hopper and c.hd in WGMMA_HEAD_DIMS, "wgmma", ((64, 8), (64, 4)),
+    ForwardRule("wgmma16-full", lambda c: c.f16 and c.hopper and c.hd in WGMMA_HEAD_DIMS, "wgmma",
+                lambda c: ((64, 4), (64, 8)) if c.hd <= 128 else ((64, 8), (64, 4)),
                 why="Hopper's warpgroup products with score options: a 128-wide O chunk (a wider one spills "
-                    "beside the options' passes)"),
+                    "beside the options' passes); one warpgroup a block up to D = 128, as the plain kernels"),
     ForwardRule("mma16-narrow", lambda c: c.f16 and (c.hd <= 64 or (c.full and c.hd <= 128)), "mma16", _F16_NARROW,
                 mi_plain=2, why="mma.sync; two row groups per warp in plain kernels, so each K and V fragment feeds two products "
                     "(bench/NOTES.md, 'Forward mma.sync: row groups, key tiles and stages')"),
@@ -559,13 +560,15 @@ class _WgmmaBackwardRule(BackwardRule):
 def wgmma_backward_takes(hd: int, scores: ScoreSet) -> bool:
     """Whether the warpgroup dK/dV kernel takes calls of padded head dim ``hd`` with the
     options ``scores`` without a spill (ptxas, sm_90; 64-query tiles with options): at D = 64
-    any set but dropout beside a mask; above, at most two options and no dropout (its
-    per-score Philox and more options spill beside the 128-wide dK and dV). The others take
-    mma.sync. tests/test_kernels_compile.py compiles every set this admits."""
-    mods = set(scores.mods)
+    every set; above, at most two options, dropout only alone or beside a bias (more spill
+    beside the 128-wide dK and dV). The others take mma.sync. tests/test_kernels_compile.py
+    compiles every set this admits."""
     if hd <= 64:
-        return not ("dropout" in mods and mods & {"mask", "block_mask"})
-    return len(mods) <= 2 and "dropout" not in mods
+        return True
+    mods = set(scores.mods)
+    if "dropout" in mods:
+        return mods <= {"dropout", "bias"}
+    return len(mods) <= 2
 
 
 _BWD_BASE = ((64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))   # one role, 32 or 16 streamed rows

@@ -371,23 +371,30 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
     const bool fast = tile.fast;
     const bool owner = blk.chunk == 0;
     const int i0 = tile.i0, i1 = tile.i1, key_end = blk.j0 + blk.keys_valid;
-    // Rows of S^T are keys j, columns queries i0 + c.
-    each_element(s_t, r0, 0, t, [&](Acc& s, Acc& dp, int j, int c) {
-        const int i = i0 + c;
-        const Acc raw = s;
-        // The log2-domain score minus lse2; -inf where masked.
-        const Acc x = (fast ? (Sc::kPlain ? raw * score.op.scale_log2 : score.value(raw, i, j))
-                            : (i < i1 && j < key_end ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>()))
-                      - sLset[c];
-        const bool live = fast || x != neg_inf<Acc>();
-        const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
-        Acc z = Acc(1);
-        if constexpr (Sc::kDropout) z = score.keep(i, j) ? dropout_scale : Acc(0);
-        Acc ds = live ? pe * (dp * z - sDeltat[c]) : Acc(0);  // dS^T = P^T (dP^T z - D)
-        score.derivative(bp, ds, raw, i, j, owner);  // dbias += dS; softcap's chain rule
-        s = pe * z;  // P' = P z
-        dp = ds;
-    }, dp_t);
+    // Rows of S^T are keys j, columns queries i0 + c (each_element's layout).
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const unsigned keep = score.keep4_transposed(r0 + 16 * mi, i0 + 8 * n + 2 * t);  // bit e: kept
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
+                const Acc raw = s_t[mi][n][e];
+                // The log2-domain score minus lse2; -inf where masked.
+                const Acc x = (fast ? (Sc::kPlain ? raw * score.op.scale_log2 : score.value(raw, i, j))
+                                    : (i < i1 && j < key_end ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>()))
+                              - sLset[c];
+                const bool live = fast || x != neg_inf<Acc>();
+                const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
+                const Acc z = Sc::kDropout ? ((keep >> e) & 1u ? dropout_scale : Acc(0)) : Acc(1);
+                Acc ds = live ? pe * (dp_t[mi][n][e] * z - sDeltat[c]) : Acc(0);  // dS^T = P^T (dP^T z - D)
+                score.derivative(bp, ds, raw, i, j, owner);  // dbias += dS; softcap's chain rule
+                s_t[mi][n][e] = pe * z;  // P' = P z
+                dp_t[mi][n][e] = ds;
+            }
+        }
+    }
 }
 
 // dQ_tile (BLOCK_C, CH) = dS K for this block's keys, by the warp policies: dS^T (BLOCK_R,

@@ -22,7 +22,7 @@
 //   derivative        derivative(bp, ds, raw, i, j, owner): the bias gradient's accumulation
 //                     (dbias += dS) and dS through softcap's d(c tanh(x / c)) / dx;
 //   dropout on P      keep4(i, j): the keep bits of a thread's four elements of an
-//                     accumulator tile, keep(i, j) of one score.
+//                     accumulator tile; keep4_transposed(j, i) of a transposed one (S^T).
 #pragma once
 
 #include "../bwd_params.cuh"
@@ -123,10 +123,33 @@ struct Scores {
         return keep;
     }
 
-    // Does score (i, j) survive dropout?
-    __device__ __forceinline__ bool keep(int i, int j) const {
-        if constexpr (kDropout) return dropout_keep_one(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold);
-        return true;
+    // Bit e of the result: element e of a thread's quad of a transposed accumulator tile
+    // (S^T: rows keys j and j + 8, columns queries i and i + 1; j = a multiple of 16 plus the
+    // lane's group g = lane / 4, i even) survives dropout. Four consecutive keys from a
+    // multiple of 4 share one Philox call (word j & 3 of the call for (i, j >> 2)), and the
+    // four lanes holding them (groups g = 4k .. 4k + 3, one column pair t) need the same four
+    // calls: each lane makes one (call c: query i + (c & 1), keys + 8 (c >> 1), that is its
+    // element e = c) and the four trade words in four shuffles, a quarter of keep()'s Philox
+    // work. Every lane of the warp calls it.
+    __device__ __forceinline__ unsigned keep4_transposed(int j, int i) const {
+        unsigned keep = 0xfu;
+        if constexpr (kDropout) {
+            const int lane = threadIdx.x & 31;
+            const int a = (lane >> 2) & 3;  // this lane's word: j & 3; and the call it makes
+            const Philox4 r = philox4x32_10((j - a + 8 * (a >> 1)) >> 2, i + (a & 1), hv.bh, p.dropout_offset,
+                                            static_cast<u32>(p.seed), static_cast<u32>(p.seed >> 32));
+            keep = 0;
+#pragma unroll
+            for (int round = 0; round < 4; ++round) {
+                // Receive word a of call c from the lane making it; send word (a - round) & 3 of
+                // this lane's call to the lane receiving from it.
+                const int c = (a + round) & 3, send = (a - round) & 3;
+                const u32 out = send == 0 ? r.x : send == 1 ? r.y : send == 2 ? r.z : r.w;
+                const u32 got = __shfl_sync(0xffffffffu, out, lane + 4 * (c - a));
+                keep |= unsigned(got >= p.dropout_threshold) << c;
+            }
+        }
+        return keep;
     }
 };
 
