@@ -4,7 +4,9 @@ flashcupy's forward and backward as torch operators (``torch.library.custom_op``
 ``flashcupy::attention`` and ``flashcupy::attention_backward``, with fake functions
 for tracing and the backward registered as the forward's autograd), for torch
 tensors on a CUDA device or on the CPU; ``torch.compile(fullgraph=True)`` traces
-a model that calls them without a graph break::
+a model that calls them without a graph break. Eager calls run the same
+implementations through an ``autograd.Function`` instead of the dispatcher, whose
+Python side costs more than a small problem's kernels::
 
     import flashcupy.torch as fct
 
@@ -231,8 +233,14 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                   allow_tf32: bool, backend: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """flashcupy's forward as a torch operator: (out, lse); ``deterministic`` is for its backward."""
     args = locals()
-    tensors = {name: args[name] for name in _TENSOR_OPTIONS}
-    options = _decode(tensors, {name: args[name] for name in _SCALARS})
+    return _forward_impl(q, k, v, {name: args[name] for name in _TENSOR_OPTIONS},
+                         {name: args[name] for name in _SCALARS})
+
+
+def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: dict[str, Any],
+                  scalars: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the forward op's arguments: its array options by name, its scalars by name."""
+    options = _decode(tensors, scalars)
     with _on_device(q.device):
         out, lse = _api.flash_attention_forward(_to_array(q), _to_array(k), _to_array(v), **options)
         return _to_tensor(out), _to_tensor(lse)
@@ -266,8 +274,16 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """flashcupy's backward as a torch operator: (dq, dk, dv, dbias, dsinks); dbias and dsinks
     are empty (0 elements) where not asked for or not given. dsinks has the sinks' dtype."""
     args = locals()
-    tensors = {name: args[name] for name in _TENSOR_OPTIONS}
-    options = _decode(tensors, {name: args[name] for name in _SCALARS})
+    return _backward_impl(dout, q, k, v, out, lse, {name: args[name] for name in _TENSOR_OPTIONS},
+                          {name: args[name] for name in _SCALARS}, bias_grad, deterministic)
+
+
+def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, tensors: dict[str, Any], scalars: dict[str, Any], bias_grad: bool,
+                   deterministic: bool) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv, dbias, dsinks) of the backward op's arguments (see the op)."""
+    sinks = tensors["sinks"]
+    options = _decode(tensors, scalars)
     with _on_device(q.device):
         grads = _api.flash_attention_backward(
             _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
@@ -299,19 +315,52 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
+def _gradients(ctx, dout, backward) -> tuple:
+    """dq, dk, dv and the array options' gradients (bias and sinks; None for the others) from
+    a forward's saved tensors, through ``backward`` (the backward op, or its implementation)."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     options = dict(zip(_TENSOR_OPTIONS, tensors))
     bias_grad = bool(ctx.needs_input_grad[3 + _TENSOR_OPTIONS.index("bias")])
-    dq, dk, dv, dbias, dsinks = _attention_backward_op(
-        dout, q, k, v, out, lse, *tensors, **ctx.scalars,
-        bias_grad=bias_grad, deterministic=ctx.deterministic)
+    dq, dk, dv, dbias, dsinks = backward(dout, q, k, v, out, lse, options, bias_grad)
     grads = {"bias": dbias if bias_grad else None,
              "sinks": dsinks if options["sinks"] is not None else None}
-    return (dq, dk, dv, *(grads.get(name) for name in _TENSOR_OPTIONS), *(None for _ in _SCALARS), None)
+    return (dq, dk, dv, *(grads.get(name) for name in _TENSOR_OPTIONS))
+
+
+def _backward(ctx, dout, _dlse):
+    def through_op(dout, q, k, v, out, lse, options, bias_grad):
+        return _attention_backward_op(dout, q, k, v, out, lse, *options.values(), **ctx.scalars,
+                                      bias_grad=bias_grad, deterministic=ctx.deterministic)
+
+    return (*_gradients(ctx, dout, through_op), *(None for _ in _SCALARS), None)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The ops' autograd formula without the dispatcher, for eager calls: torch.library's
+    Python machinery (schema defaults, redispatch) costs hundreds of microseconds a call at
+    these ops' 26 arguments, more than the kernels of a small problem. The same
+    implementations run; ``torch.compile`` traces the ops instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *args):
+        *tensors, scalars, deterministic = args
+        tensors = dict(zip(_TENSOR_OPTIONS, tensors))
+        out, lse = _forward_impl(q, k, v, tensors, scalars)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors.values())
+        ctx.scalars = scalars
+        ctx.deterministic = deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        def direct(dout, q, k, v, out, lse, options, bias_grad):
+            return _backward_impl(dout, q, k, v, out, lse, options, ctx.scalars, bias_grad, ctx.deterministic)
+
+        return (*_gradients(ctx, dout, direct), None, None)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: Any = None, sinks: Any = None,
@@ -369,7 +418,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     if p > 0 and seed is None:
         options["seed"] = _rng.new_seed()  # drawn once here, reused by the backward
     tensors, scalars = _encode({**options, "bias": bias, "sinks": sinks}, q, k)
-    out, lse = _attention_op(q, k, v, **tensors, **scalars, deterministic=deterministic)
+    if torch.compiler.is_compiling():
+        out, lse = _attention_op(q, k, v, **tensors, **scalars, deterministic=deterministic)
+    else:
+        out, lse = _EagerAttention.apply(q, k, v, *(tensors[name] for name in _TENSOR_OPTIONS), scalars,
+                                         deterministic)
     return (out, lse) if return_lse else out
 
 
