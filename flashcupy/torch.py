@@ -71,17 +71,43 @@ def _bf16_numpy():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+#: NumPy element types of the torch dtypes a CUDA tensor is viewed as directly (_cuda_view).
+_VIEW_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+                torch.bool: np.bool_, torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8}
+
+
+def _cuda_view(x: torch.Tensor) -> Any:
+    """A CuPy view of a CUDA tensor's memory, no copy, built from its pointer, shape and
+    strides, or None where that does not apply (no elements, an element type not listed).
+    Not DLPack: torch's ``__dlpack__`` looks up the current stream and device in Python, tens
+    of microseconds a tensor, to order the exchange across streams, and flashcupy runs on
+    torch's current stream already (_on_device). The view keeps the tensor alive."""
+    import cupy
+
+    dtype = _VIEW_DTYPES.get(x.dtype) or (_bf16_numpy() if x.dtype == torch.bfloat16 else None)
+    if dtype is None or x.numel() == 0:
+        return None
+    itemsize = x.element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))  # elements from the first to the last
+    memory = cupy.cuda.UnownedMemory(x.data_ptr(), extent * itemsize, x, x.device.index)
+    return cupy.ndarray(tuple(x.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        tuple(s * itemsize for s in x.stride()))
+
+
 def _to_array(x: Any) -> Any:
     """A torch tensor as the array flashcupy computes on, sharing its memory: CuPy for CUDA
-    tensors (DLPack), NumPy for CPU tensors (bfloat16 as ``ml_dtypes.bfloat16``). Anything
-    else passes through unchanged."""
+    tensors (a direct view, else DLPack), NumPy for CPU tensors (bfloat16 as
+    ``ml_dtypes.bfloat16``). Anything else passes through unchanged."""
     if not isinstance(x, torch.Tensor):
         return x
     x = x.detach()  # DLPack and .numpy() refuse tensors that require grad
     if x.device.type == "cuda":
         import cupy
 
-        return cupy.from_dlpack(x)
+        if x.is_conj() or x.is_neg():
+            x = x.resolve_conj().resolve_neg()
+        view = _cuda_view(x)
+        return view if view is not None else cupy.from_dlpack(x)
     if x.device.type != "cpu":
         raise TypeError(f"flashcupy.torch: expected tensors on a CUDA device or the CPU, received one on {x.device}")
     if x.is_conj() or x.is_neg():

@@ -478,9 +478,25 @@ def test_cuda_tensors_are_not_copied(monkeypatch) -> None:
     assert out.data_ptr() == seen["out"].data.ptr and lse.data_ptr() == seen["lse"].data.ptr
     dq = torch.autograd.grad(out.float().sum(), base)[0]
     assert dq.device == q.device and dq.dtype == torch.float16 and torch.isfinite(dq).all()
-    # the grads autograd hands on are flashcupy's CuPy results, shared through DLPack (dq, dk, dv of one
+    # the grads autograd hands on are flashcupy's CuPy results, shared with torch (dq, dk, dv of one
     # tensor are summed by autograd, so compare one of them before that sum)
     assert all(type(g).__module__.startswith("cupy") for g in seen["grads"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.bool, torch.int32])
+def test_cuda_views_share_memory_shape_and_strides(dtype) -> None:
+    """A CUDA tensor reaches CuPy as a view built from its pointer and strides: sliced and
+    transposed views at an offset, every element as torch sees it; no elements: DLPack."""
+    import cupy
+
+    base = (torch.arange(3 * 5 * 7, device="cuda") % 3).to(dtype).reshape(3, 5, 7)
+    for x in (base, base[1:, ::2].transpose(0, 2), base[:, 2], base[:0]):
+        view = fct._to_array(x)
+        assert view.shape == tuple(x.shape) and (x.numel() == 0 or view.data.ptr == x.data_ptr())
+        as_float = (lambda a: a.astype(cupy.float32)) if dtype == torch.bfloat16 else (lambda a: a)
+        want = x.float() if dtype == torch.bfloat16 else x
+        assert (cupy.asnumpy(as_float(view)) == want.cpu().numpy()).all()
 
 
 @pytest.mark.gpu
