@@ -287,11 +287,7 @@ def precompile(
 
     device_id, device_name, arch, smem_limit = _device_info(device)
     skipped: list[str] = []
-    option_sets = [tuple((names,) if isinstance(names, str) else names) for names in options]
-    for dtype in dtype_names[:1]:
-        for names in option_sets:
-            _score_set(names, dtype)  # ValueError before the device is looked at
-    todo = kernels_for(dtype_names, dims, arch, smem_limit, backward, bool(allow_tf32), skipped, option_sets)
+    todo = kernels_for(dtype_names, dims, arch, smem_limit, backward, bool(allow_tf32), skipped, list(options))
     for reason in skipped:
         warnings.warn(f"flashcupy.precompile: {reason.split('; use')[0]}: such calls run on the CPU backend "
                       f"with backend='auto'", RuntimeWarning, stacklevel=2)

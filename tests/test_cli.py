@@ -16,7 +16,7 @@ import pytest
 import flashcupy
 import flashcupy.__main__ as cli
 from flashcupy import interop
-from flashcupy.cuda.spec import ARCH_SMEM, EVERY_OPTION, PLAIN, select_backward, select_forward
+from flashcupy.cuda.spec import ARCH_SMEM, EVERY_OPTION, PLAIN, ScoreSet, select_backward, select_forward
 from flashcupy.precompile import RECORD_NAME, kernels_for, load_records, record_path
 
 PRECOMPILE = sys.modules["flashcupy.precompile"]  # the module; flashcupy.precompile is the function
@@ -291,6 +291,18 @@ def test_precompile_rejects_bad_arguments(kwargs) -> None:
 
 def test_precompile_is_exported() -> None:
     assert "precompile" in flashcupy.__all__ and callable(flashcupy.precompile)
+
+
+def test_kernels_for_covers_the_option_sets_asked_for() -> None:
+    arch, smem = 90, ARCH_SMEM[90]
+    kernels = kernels_for(["float16", "float32"], [64], arch, smem, options=[(), ("bias",), ("dropout", "mask")])
+    names = {k.name for k in kernels}
+    for dtype in ("float16", "float32"):
+        for scores in (PLAIN, ScoreSet(("bias",), dtype), ScoreSet(("mask", "dropout"))):
+            assert select_forward(dtype, 64, 64, arch, smem, scores=scores).name_expression in names
+            assert select_backward(dtype, 64, 64, arch, smem, scores=scores).dkdv_name in names
+    with pytest.raises(ValueError, match="options: expected option names among .* received 'bais'"):
+        kernels_for(["float16"], [64], arch, smem, options=[("bais",)])
 
 
 def test_kernels_for_lists_both_forward_variants_and_the_backward() -> None:
