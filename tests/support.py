@@ -8,7 +8,10 @@ Backend-agnostic: a case holds NumPy inputs; tests pass them to any backend.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -26,6 +29,17 @@ F64 = np.dtype(np.float64)
 DTYPES = (F16, BF16, F32, F64)
 
 FLOOR = testing.ROUNDING_FLOOR
+
+#: The repository root (the benchmark scripts' home).
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_plan(suite: str, *args: str) -> list[str]:
+    """The lines ``python -m flashcupy bench --suite <suite> --dry-run [args]`` prints: the
+    suite's plan, run through the CLI from the repository root."""
+    out = subprocess.run([sys.executable, "-m", "flashcupy", "bench", "--suite", suite, "--dry-run", *args],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return out.splitlines()
 
 
 def assert_rule(

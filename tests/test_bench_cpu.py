@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from flashcupy import __main__ as cli
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT, bench_plan
+
 FIELDS = {"system", "dtype", "B", "H", "L", "D", "causal", "mode", "threads"}
 
 
 def _plan(*args: str) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "flashcupy", "bench", "--suite", "cpu", "--dry-run", *args],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    return [json.loads(line) for line in out.splitlines()]
+    return [json.loads(line) for line in bench_plan("cpu", *args)]
 
 
 def test_cli_routes_the_cpu_suite_to_bench_cpu() -> None:

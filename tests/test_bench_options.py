@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import flashcupy.__main__ as cli
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT, bench_plan
 
 
 def _plan(*args: str) -> list[list[str]]:
-    out = subprocess.run([sys.executable, "-m", "flashcupy", "bench", "--suite", "options", "--dry-run", *args],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    return [line.split() for line in out.splitlines()]
+    return [line.split() for line in bench_plan("options", *args)]
 
 
 def test_cli_routes_the_options_suite_to_bench_options() -> None:
