@@ -330,15 +330,19 @@ def _attention_backward_fake(dout, q, k, v, out, lse, mask, bias, alibi_slopes, 
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
 
 
+def _save(ctx, q, k, v, out, lse, tensors: dict[str, Any], scalars: dict[str, Any], deterministic: bool) -> None:
+    """What a forward keeps for its backward: the tensors, the scalar options, the flag."""
+    ctx.save_for_backward(q, k, v, out, lse, *tensors.values())
+    ctx.scalars = scalars
+    ctx.deterministic = deterministic
+    ctx.mark_non_differentiable(lse)
+
+
 def _setup_context(ctx, inputs, output):
     names = ("q", "k", "v", *_TENSOR_OPTIONS, *_SCALARS, "deterministic")
     args = dict(zip(names, inputs))
-    out, lse = output
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse,
-                          *(args[name] for name in _TENSOR_OPTIONS))
-    ctx.scalars = {name: args[name] for name in _SCALARS}
-    ctx.deterministic = args["deterministic"]
-    ctx.mark_non_differentiable(lse)
+    _save(ctx, args["q"], args["k"], args["v"], *output, {name: args[name] for name in _TENSOR_OPTIONS},
+          {name: args[name] for name in _SCALARS}, args["deterministic"])
 
 
 def _gradients(ctx, dout, backward) -> tuple:
@@ -375,10 +379,7 @@ class _EagerAttention(torch.autograd.Function):
         *tensors, scalars, deterministic = args
         tensors = dict(zip(_TENSOR_OPTIONS, tensors))
         out, lse = _forward_impl(q, k, v, tensors, scalars)
-        ctx.save_for_backward(q, k, v, out, lse, *tensors.values())
-        ctx.scalars = scalars
-        ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(lse)
+        _save(ctx, q, k, v, out, lse, tensors, scalars, deterministic)
         return out, lse
 
     @staticmethod
