@@ -83,9 +83,7 @@ def _score_set(names: Iterable[str], dtype: str) -> Any:
     unknown = [n for n in names if n not in SCORE_MODS]
     if unknown:
         raise ValueError(f"options: expected option names among {', '.join(SCORE_MODS)}, received {unknown[0]!r}")
-    return ScoreSet.of(bias_dtype=dtype if "bias" in names else None, mask="mask" in names,
-                       block_mask="block_mask" in names, alibi="alibi" in names, softcap="softcap" in names,
-                       dropout="dropout" in names)
+    return ScoreSet(tuple(m for m in SCORE_MODS if m in names), dtype if "bias" in names else None)
 
 
 def _head_dim(d: Any) -> int:

@@ -94,6 +94,7 @@ class ScoreSet:
                              f"{self.bias_dtype!r} with mods {self.mods!r}")
 
     @classmethod
+    @functools.lru_cache(maxsize=None)  # every call builds its set: one lookup, not a validation
     def of(cls, *, bias_dtype: str | None = None, mask: bool = False, block_mask: bool = False,
            alibi: bool = False, softcap: bool = False, dropout: bool = False) -> "ScoreSet":
         """The set of a call's options (bias_dtype: the bias' dtype name, None without one)."""
