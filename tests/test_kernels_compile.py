@@ -56,6 +56,7 @@ from typing import NamedTuple
 import pytest
 
 from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs, kernel_dir
+from flashcupy.cuda.spec import EVERY_OPTION
 
 ARCHS = (75, 80, 86, 89, 90)
 TENSOR_CORE_POLICIES = ("mma16", "wgmma", "wgmma_tf32x3", "tf32", "tf32x3", "dmma")
@@ -332,9 +333,7 @@ def check_report(log: str, specs: list[Kernel], arch: int) -> dict[str, dict]:
     # Every score option at once (the matrix's stand-in for every option set) still spills in
     # a few float64 and D = 128 kernels (bench/NOTES.md, 'Open: score options'): those warn,
     # every other tensor-core kernel fails the test.
-    from flashcupy.cuda.spec import EVERY_OPTION
-
-    heavy = [name for name in tensor_core if EVERY_OPTION.cxx.removeprefix("flash::ScoreMods<")[:-1] in name]
+    heavy = [name for name in tensor_core if EVERY_OPTION.cxx in name]
     tensor_core = [name for name in tensor_core if name not in heavy]
     for what, names in (("SIMT", simt), ("every-option tensor-core", heavy)):
         if names:
