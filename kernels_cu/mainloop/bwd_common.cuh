@@ -276,7 +276,7 @@ struct BwdKeyBlock {
     __device__ __forceinline__ void advance(int& hq, int& i0) const {
         while (hq < group) {
             if (i0 < i_hi) {
-                if constexpr ((Set::kMods & kModMasks) == 0) return;  // no mask: every tile in range is live
+                if constexpr (!Set::kMasks) return;  // no mask: every tile in range is live
                 const HeadView hv = query_head(hq);
                 if (tile_live<Set::kMods>(p, hv, i0, min(i0 + BLOCK_C, i_hi), j0, j0 + max(keys_valid, 1))) return;  // uniform
                 i0 += BLOCK_C;

@@ -38,6 +38,9 @@ struct ScoreMods {
     static constexpr unsigned kMods = MODS;
     using Bias = B;
     static constexpr bool kFull = MODS != 0;
+    static constexpr bool kMasks = (MODS & kModMasks) != 0;    // masks beyond the band: tiles are tested
+    static constexpr bool kPlain = (MODS & kModValues) == 0;   // S = scale log2(e) q.k wherever kept
+    static constexpr bool kDropout = (MODS & kModDropout) != 0;
     static_assert(((MODS & kModBias) != 0) == !kIsVoid<B>, "a bias type exactly when the bias bit is set");
 };
 using PlainScores = ScoreMods<0>;

@@ -34,10 +34,7 @@ namespace flash {
 template <typename Acc, typename Set>
 struct Scores {
     static constexpr unsigned kMods = Set::kMods;
-    static constexpr bool kFull = Set::kFull;
-    static constexpr bool kMasks = (kMods & kModMasks) != 0;      // masks beyond the band: tiles are tested
-    static constexpr bool kPlain = (kMods & kModValues) == 0;     // S = scale log2(e) q.k wherever kept
-    static constexpr bool kDropout = (kMods & kModDropout) != 0;
+    static constexpr bool kFull = Set::kFull, kMasks = Set::kMasks, kPlain = Set::kPlain, kDropout = Set::kDropout;
     const Params& p;
     const HeadView hv;  // a copy: a reference to the caller's would keep it in memory
     ScoreOp<Acc, Set> op;
