@@ -62,8 +62,9 @@ struct Scores {
     // `select`, rows from q_len and keys from jt1 masked and -inf wherever the band (where
     // the tile `crosses` a causal or window edge) or a mask says no. Without it (a fast tile:
     // whole, inside the band, no mask present) nothing is selected and rows past q_len are
-    // computed to be discarded. SEQUENTIAL: PlainScores' band test in TileBand's sequential
-    // form, for kernels without registers to spare.
+    // computed to be discarded; PlainScores always select (their fast tiles take the
+    // softmax's fused scale-and-max loop instead). SEQUENTIAL: PlainScores' band test in
+    // TileBand's sequential form, for kernels without registers to spare.
     template <bool SEQUENTIAL, int MI, int NP>
     __device__ __forceinline__ void masked_tile(Acc (&s)[MI][NP][4], int r0, int jt0, int t, int jt1,
                                                 bool crosses, bool select) const {
