@@ -7,7 +7,7 @@ runs near BLAS's peak even for small head dims, and every per-query statistic
 is a vector along the tile's fast axis (see cpu_kernels). Scores are held in
 base 2 (log2(e) folded into the scale, as FlashAttention does) so that
 probabilities are exp2 of a difference. The forward keeps a running shift ``m``
-(the row maximum, updated lazily), a running sum ``l`` and an unnormalised
+(from a query's first score, moved up lazily: cpu_kernels), a running sum ``l`` and an unnormalised
 accumulator, rescaling them as each key tile arrives (online softmax), and
 normalises once at the end; the backward recomputes each probability tile from
 the saved log-sum-exp. Nothing larger than a tile is allocated for scores, so extra
@@ -262,7 +262,7 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
         q = scratch.get("q", rows, pb.head_dim)
         np.multiply(pb.q[seg.q_index][i0:i1], scale2, out=q, dtype=acc)  # scale log2(e) Q, rounded once
         ks, vs = k[seg.k_index], v[seg.k_index]
-        m = scratch.get("m", rows)  # running shift (base 2): the row max, lazily
+        m = scratch.get("m", rows)  # running shift (base 2), moved up lazily
         m[...] = -np.inf
         l = scratch.get("l", rows)  # running row sum of 2^(S - m)
         l[...] = 0

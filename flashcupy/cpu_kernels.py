@@ -13,13 +13,16 @@ single exact subtraction.
   one vectorised pass per step with the GIL released. 2^x = 2^n 2^f with n =
   round(x), |f| <= 1/2, and 2^f a polynomial: for float32 of degree 6, fitted
   to minimise the relative error on [-1/2, 1/2] with p(0) = 1 (1e-7 in float32
-  arithmetic); for float64 the Taylor series of e^(f ln 2) to degree 13. Results
-  below the smallest normal number are 0, NaN stays NaN. The forward rescales
-  lazily: a query's shift m starts at its score for the first key (a lower
-  bound of its maximum) and only moves when a tile's scores exceed it by more
-  than LAZY_HEADROOM, then by a whole power of two (exact rescaling): no
-  separate max pass. A query whose scores exceed its shift by more than 2^60 is
-  recomputed alone with the exact two-pass step.
+  arithmetic); for float64 the Taylor series of e^(f ln 2) to degree 13. x is
+  clamped to [lowest, 64] first, two instructions that keep NaN: at the lowest
+  exponent the power of two's bits are those of 0, so results below half the
+  smallest normal number are exactly 0 with no select. The forward rescales
+  lazily: a query's shift m starts at its score for the first key and stays
+  put while a tile's sum of 2^(s - m) is at most 2^SUM_HEADROOM (so every
+  probability is too); past that the shift moves up by a whole power of two
+  (exact rescaling), and no pass ever looks for the maximum. A query whose sum
+  reaches 2^60 (a score far past its shift, or +inf, both read as 2^64 by the
+  clamp) is recomputed alone with the exact two-pass step.
 - :class:`NumpyKernels`: the same steps as NumPy calls (np.exp2), with the
   running maximum as the shift.
 
@@ -47,9 +50,13 @@ from . import rng
 #: Scores are held in base 2 (S log2 e): probabilities are exp2 of a difference.
 LOG2E = 1 / math.log(2)
 LN2 = math.log(2)
-#: How far (base 2) a tile's scores may exceed the running shift before the forward rescales:
-#: probabilities stay below 2^8, sums below 2^8 times the keys.
-LAZY_HEADROOM = 8.0
+#: How large (base 2) a tile's sum of 2^(s - m) may grow before the forward moves the shift m
+#: up: probabilities stay below 2^20. A tile's sum is at most its keys (<= 2^10 at the default
+#: tiles) while no score exceeds the shift, so ordinary tiles never rescale.
+SUM_HEADROOM = 20.0
+#: A tile's sum at which a lazily shifted query is recomputed alone (exp2 reads arguments past
+#: 64 as 64: a sum this large means a score at least 60 past the shift, or +inf).
+DAMAGED_SUM = 2.0**60
 #: float32 coefficients of 2^f on [-1/2, 1/2], degree 0 up (see the module docstring).
 EXP2_F32 = (1.0, 0.693147182, 0.240226477, 0.0555033237, 0.00961843692, 0.0013398875, 0.00015353362)
 
@@ -65,8 +72,8 @@ class TileKernels(Protocol):
     def forward_tile(self, st: np.ndarray, m: np.ndarray, l: np.ndarray, alpha: np.ndarray,
                      scratch: np.ndarray, damaged: np.ndarray, exact: bool) -> int:
         """Online softmax step with shift m (base 2): st = 2^(st - m_new), alpha =
-        2^(m - m_new), l = l * alpha + sum_j st, m = m_new, where m_new >= max_j st -
-        LAZY_HEADROOM; with ``exact``, m_new = max(m, max_j st). Special values as in the
+        2^(m - m_new), l = l * alpha + sum_j st, m = m_new, where sum_j st <=
+        2^SUM_HEADROOM; with ``exact``, m_new = max(m, max_j st). Special values as in the
         module docstring (a NaN or +inf score leaves l NaN). ``scratch`` is (3, queries).
         Returns how many queries (listed in ``damaged``) were left untouched but for their
         st column, to be recomputed and passed alone with ``exact``. Each query's result
@@ -158,41 +165,43 @@ def _numba_kernels():
             args[0], context.get_value_type(sig.return_type))
 
     def exp2(x):
-        """2^x for x < 2^7 (float32) / 2^10 (float64), 0 below the smallest normal result,
-        NaN -> NaN; larger x give garbage (callers never pass it, or discard the result)."""
+        """2^x, with x < lowest read as lowest (result exactly 0) and x > 64 as 64; NaN -> NaN.
+        Results between the smallest normal number and half of it come out subnormal."""
 
     @overload(exp2, fastmath={"contract"})
     def exp2_impl(x):
         if x == types.float32:
-            f, i, lowest, bias, mantissa = np.float32, np.int32, -126.0, 127, 23
+            f, i, lowest, bias, mantissa = np.float32, np.int32, -127.0, 127, 23
             coefs = EXP2_F32
         elif x == types.float64:
-            f, i, lowest, bias, mantissa = np.float64, np.int64, -1022.0, 1023, 52
+            f, i, lowest, bias, mantissa = np.float64, np.int64, -1023.0, 1023, 52
             coefs = tuple(math.log(2) ** d / math.factorial(d) for d in range(14))
         else:
             return None
-        lowest, zero = f(lowest), f(0)
+        lowest, highest = f(lowest), f(64)
         magic = f(1.5 * 2.0**mantissa)  # adding it rounds to an integer, held in the low mantissa bits
         bias, mantissa = i(bias), i(mantissa)
         top, rest = f(coefs[-1]), tuple(f(c) for c in coefs[-2::-1])
 
         def impl(x):
-            xc = x if x > lowest else lowest
+            # Clamp (one max, one min): a compare that is false for NaN picks x, so NaN stays NaN.
+            xc = lowest if lowest > x else x
+            xc = highest if xc > highest else xc
             t = xc + magic
             frac = xc - (t - magic)  # x - round(x), exact
             p = top
             for c in rest:
                 p = p * frac + c
-            # 2^round(x) from the bits of t: its low bits hold round(x), the shift drops the magic's exponent.
-            y = p * bitcast(i((bitcast(t) + bias) << mantissa))
-            return y if x > lowest else (x if x != x else zero)
+            # 2^round(x) from the bits of t: its low bits hold round(x), the shift drops the magic's
+            # exponent; round(x) = lowest gives exponent bits 0, the bits of 0.
+            return p * bitcast(i((bitcast(t) + bias) << mantissa))
 
         return impl
 
     jit = njit(nogil=True, cache=True, fastmath={"contract"})
 
     @jit
-    def forward_tile(st, m, l, alpha, scratch, damaged, exact, headroom):
+    def forward_tile(st, m, l, alpha, scratch, damaged, exact, headroom, damaged_sum):
         n, cols = st.shape
         shift, top, total = scratch[0], scratch[1], scratch[2]
         need_max = exact
@@ -202,52 +211,56 @@ def _numba_kernels():
             elif not exact and m[i] == -np.inf and -np.inf < st[0, i] < np.inf:
                 shift[i] = st[0, i]
             elif m[i] == -np.inf or (exact and m[i] == m[i]):
-                shift[i] = np.float32(np.nan)  # from the maximum below
+                shift[i] = np.nan  # from the maximum below
                 need_max = True
             else:
                 shift[i] = 0  # a NaN row already
-        if need_max:
+        if need_max:  # the two-pass step: the maximum first (NaN never wins a compare)
             for i in range(cols):
-                top[i] = m[i] if m[i] == m[i] else np.float32(-np.inf)
+                top[i] = m[i] if m[i] == m[i] else -np.inf
             for j in range(n):
                 for i in range(cols):
-                    top[i] = max(top[i], st[j, i])
+                    x = st[j, i]
+                    top[i] = x if x > top[i] else top[i]
             for i in range(cols):
                 if shift[i] != shift[i]:
-                    shift[i] = top[i] if -np.inf < top[i] < np.inf else np.float32(0)
+                    shift[i] = top[i] if -np.inf < top[i] < np.inf else 0
         for i in range(cols):
-            top[i] = -np.inf
             total[i] = 0
-        for j in range(n):
+        for j in range(n):  # P^T = 2^(S^T - shift), and its column sums
             for i in range(cols):
-                x = st[j, i]
-                top[i] = max(top[i], x)
-                e = exp2(x - shift[i])  # NaN stays NaN, into l
+                e = exp2(st[j, i] - shift[i])
                 st[j, i] = e
                 total[i] += e
         count = 0
+        rescale = False
         for i in range(cols):
-            jump = top[i] - shift[i]
-            if (jump > 60) & (jump < np.inf):  # 2^(st - shift) past exp2's range: the caller recomputes
+            s = total[i]
+            inf_score = need_max and top[i] == np.inf
+            top[i] = 1  # from here: the factor each column of st is rescaled by
+            if m[i] != m[i] or s != s or inf_score:  # a NaN or +inf score: a NaN row
+                m[i] = np.nan
+                l[i] = np.nan
+                alpha[i] = np.nan
+            elif s >= damaged_sum:  # a score far past the lazy shift, or +inf: the caller recomputes
                 damaged[count] = i
                 count += 1
-            elif not (m[i] < np.inf and top[i] < np.inf and total[i] == total[i]):  # +inf or NaN: NaN row
-                m[i] = max(m[i], top[i])
-                l[i] = np.float32(np.nan)
-                alpha[i] = np.float32(np.nan)
-            elif top[i] == -np.inf and m[i] == -np.inf:  # nothing kept yet: l = 0, o = 0 stay
+            elif s == 0 and m[i] == -np.inf:  # nothing kept yet: l = 0, o = 0 stay
                 alpha[i] = 1
             else:
-                k = np.ceil(jump) if jump > headroom else np.float32(0)
+                k = np.floor(np.log2(s)) if s > headroom else 0
+                if k > 0:  # move the shift up by a whole power of two: exact rescaling
+                    top[i] = exp2(-k)
+                    s *= top[i]
+                    rescale = True
                 m_new = shift[i] + k
-                if k > 0:  # move the shift by a whole power of two: exact rescaling
-                    beta = exp2(-k)
-                    for j in range(n):
-                        st[j, i] *= beta
-                    total[i] *= beta
                 alpha[i] = exp2(m[i] - m_new)  # 1 when the shift stays, 0 for the first tile
-                l[i] = l[i] * alpha[i] + total[i]
+                l[i] = l[i] * alpha[i] + s
                 m[i] = m_new
+        if rescale:
+            for j in range(n):
+                for i in range(cols):
+                    st[j, i] *= top[i]
         return count
 
     @jit
@@ -256,15 +269,13 @@ def _numba_kernels():
         if z is None:
             for j in range(n):
                 for i in range(cols):
-                    x = st[j, i] - lse[i]
-                    p = exp2(np.float32(64) if x > 64 else x)  # 64: beyond any consistent lse
+                    p = exp2(st[j, i] - lse[i])  # read as 2^64 past 64: beyond any consistent lse
                     st[j, i] = p
                     dpt[j, i] = p * (dpt[j, i] - delta[i])
         else:
             for j in range(n):
                 for i in range(cols):
-                    x = st[j, i] - lse[i]
-                    p = exp2(np.float32(64) if x > 64 else x)
+                    p = exp2(st[j, i] - lse[i])
                     st[j, i] = p * z[j, i]
                     dpt[j, i] = p * (dpt[j, i] * z[j, i] - delta[i])
 
@@ -329,7 +340,7 @@ def _numba_kernels():
                 lse[i] = -np.inf
 
     def forward_tile_step(st, m, l, alpha, scratch, damaged, exact):
-        return forward_tile(st, m, l, alpha, scratch, damaged, exact, LAZY_HEADROOM)
+        return forward_tile(st, m, l, alpha, scratch, damaged, exact, 2.0**SUM_HEADROOM, DAMAGED_SUM)
 
     return SimpleNamespace(name="numba", forward_tile=forward_tile_step, backward_tile=backward_tile,
                            dropout_scale=dropout_scale, mask_outside=mask_outside, rescale_add=rescale_add,

@@ -84,6 +84,20 @@ def test_lazy_forward_matches_the_exact_one(dtype, jump, path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tile_whose_sum_passes_the_headroom_moves_the_shift(dtype):
+    """No score of the second tile is far past the shift, but their sum passes
+    2^SUM_HEADROOM: the shift moves up by a power of two and the softmax is unchanged."""
+    first = np.zeros((4, 3), dtype)
+    second = np.full((2048, 3), 10.0, dtype)  # 2^10 each, 2^21 in all: past 2^20
+    second[:, 2] = -1.0  # a query that stays put
+    m0, l0, o0, _ = _online(NUMPY, [first, second], dtype, True)
+    m1, l1, o1, paths = _online(NUMBA, [first, second], dtype)
+    assert paths == {"moved"} and m1[0] == m1[1] == 21 and m1[2] == 0
+    np.testing.assert_allclose(np.log2(l1) + m1, np.log2(l0) + m0, rtol=1e-6)
+    np.testing.assert_allclose(o1 / l1[:, None], o0 / l0[:, None], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_special_values_agree(dtype):
     tiles = [_tile(dtype, 16, 6, seed=s, spread=4.0) for s in range(3)]
     tiles[0][:, 0] = -np.inf  # query 0 masked in its first tile, live later
