@@ -33,7 +33,11 @@ relative Frobenius error must stay below 1e-4 (float32) or 1e-10 (float64),
 else the row is reported as a failure and not timed. rows hold rel_error.
 
 Timing: one warm-up call (compilation included), then ``--repeats`` calls
-timed one by one with a wall clock; ms is the median, ms_min the minimum.
+timed one by one with a wall clock; a process's time is their median. With
+``--rounds`` R (default 3), each row is measured in R processes, the systems
+of a shape taking turns round by round, so that a slow spell of the machine
+falls on every system alike: ms is the median of the R processes' times
+(ms_rounds lists them), ms_min the fastest call of any.
 Memory: peak_mib is the peak resident memory during the timed calls above the
 resident memory just before them (after the warm-up, the check and
 malloc_trim): what a call needs beyond its inputs and what the process keeps
@@ -334,6 +338,32 @@ def _commit() -> str | None:
         return None
 
 
+def _shape_groups(specs: list[dict]) -> list[list[dict]]:
+    """``specs`` cut into runs of consecutive rows that differ only in their system."""
+    groups: list[list[dict]] = []
+    for spec in specs:
+        key = tuple(spec[k] for k in ROW_KEYS if k != "system")
+        if groups and tuple(groups[-1][0][k] for k in ROW_KEYS if k != "system") == key:
+            groups[-1].append(spec)
+        else:
+            groups.append([spec])
+    return groups
+
+
+def _combine(runs: list[dict]) -> dict:
+    """One row from the rows of several processes of the same spec: ms the median of their
+    medians, ms_min the least, peak_mib the largest; the first failure or skip if any."""
+    bad = [r for r in runs if "ms" not in r]
+    if bad:
+        return bad[0]
+    row = dict(runs[0])
+    row.update(ms=statistics.median(r["ms"] for r in runs), ms_min=min(r["ms_min"] for r in runs),
+               ms_rounds=[r["ms"] for r in runs], rounds=len(runs),
+               peak_mib=max(r["peak_mib"] for r in runs), rss_mib=max(r["rss_mib"] for r in runs),
+               rel_error=max(r["rel_error"] for r in runs))
+    return row
+
+
 def machine(cores: list[int]) -> dict:
     return {
         "cpu_model": _cpu_model(),
@@ -399,8 +429,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--threads", nargs="+", default=["1", "all"], metavar="N",
                         help="thread counts: integers or 'all' (the cores this process may use; default 1 all)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls per row (median)")
-    parser.add_argument("--quick", action="store_true", help="L = 1024 only, 3 repeats")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per process (median)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="processes per row, the systems of a shape taking turns (median of their medians)")
+    parser.add_argument("--quick", action="store_true", help="L = 1024 only, 3 repeats, 1 round")
     parser.add_argument("--out", type=Path, help="JSON path (default bench/results/cpu-<yyyy-mm-dd>.json)")
     parser.add_argument("--no-save", action="store_true", help="print only")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
@@ -414,6 +446,9 @@ def main(argv: list[str] | None = None) -> None:
     counts = _thread_counts(args.threads, cores)
     shapes = [s for s in SHAPES if s[1] == 1024] if args.quick else list(SHAPES)
     repeats = 3 if args.quick else args.repeats
+    rounds = 1 if args.quick else args.rounds
+    if rounds < 1 or repeats < 1:
+        raise SystemExit(f"--rounds, --repeats: expected positive integers, received {rounds}, {repeats}")
     specs = [
         {"system": system, "dtype": dtype, "B": 1, "H": 8, "L": L, "D": D, "causal": causal, "mode": mode,
          "threads": n, "cores": cores[:n], "repeats": repeats}
@@ -428,10 +463,15 @@ def main(argv: list[str] | None = None) -> None:
     info = machine(cores)
     print(f"{info['cpu_model']}, {len(cores)} cores available, load {load_before[0]:.2f}", flush=True)
     rows = []
-    for spec in specs:
-        row = run_worker(spec)
-        _print_row(row)
-        rows.append(row)
+    for group in _shape_groups(specs):
+        measured = [[] for _ in group]
+        for _ in range(rounds):
+            for spec, runs in zip(group, measured):
+                runs.append(run_worker(spec))
+        for runs in measured:
+            row = _combine(runs)
+            _print_row(row)
+            rows.append(row)
     info["load_before"], info["load_after"] = list(load_before), list(os.getloadavg())
     _print_ratios(rows)
     if args.no_save:

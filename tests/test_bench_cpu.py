@@ -33,3 +33,25 @@ def test_thread_counts_are_checked() -> None:
     proc = subprocess.run([sys.executable, "bench/bench_cpu.py", "--dry-run", "--threads", "100000"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and "--threads: expected 1.." in proc.stderr
+
+
+def _bench_cpu():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cpu", ROOT / "bench" / "bench_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rounds_take_turns_and_combine_by_the_median() -> None:
+    bench = _bench_cpu()
+    plan = _plan("--systems", "flashcupy", "torch-cpu", "--modes", "fwd", "--threads", "1")
+    groups = bench._shape_groups(plan)
+    assert len(groups) == 5 and all([s["system"] for s in g] == ["flashcupy", "torch-cpu"] for g in groups)
+    runs = [dict(plan[0], ms=ms, ms_min=ms - 1, peak_mib=peak, rss_mib=100.0, rel_error=1e-7)
+            for ms, peak in ((30.0, 5.0), (10.0, 7.0), (20.0, 6.0))]
+    row = bench._combine(runs)
+    assert (row["ms"], row["ms_min"], row["ms_rounds"], row["peak_mib"]) == (20.0, 9.0, [30.0, 10.0, 20.0], 7.0)
+    failed = dict(plan[0], failure="relative error 1 > 0.0001")
+    assert bench._combine([runs[0], failed]) is failed
