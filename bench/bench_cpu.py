@@ -28,12 +28,14 @@ inside one jitted function, and naive NumPy's analytic backward from its
 stored probabilities. Inputs are standard normal in the row's dtype.
 
 Correctness before timing: each process compares out (and dq, dk, dv) of
-head (0, 0) with a dense float64 NumPy computation from the same inputs; the
+head (0, 0) with a dense float64 NumPy computation from the same inputs (on
+one BLAS thread, before the system's warm-up call: see _one_blas_thread); the
 relative Frobenius error must stay below 1e-4 (float32) or 1e-10 (float64),
 else the row is reported as a failure and not timed. rows hold rel_error.
 
-Timing: one warm-up call (compilation included), then ``--repeats`` calls
-timed one by one with a wall clock; a process's time is their median. With
+Timing: one warm-up call (compilation included, checked), untimed calls for
+SETTLE_SECONDS (at least two), then ``--repeats`` calls timed one by one with
+a wall clock; a process's time is their median. With
 ``--rounds`` R (default 3), each row is measured in R processes, the systems
 of a shape taking turns round by round, so that a slow spell of the machine
 falls on every system alike: ms is the median of the R processes' times
@@ -55,6 +57,7 @@ and more.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import gc
@@ -79,6 +82,9 @@ SHAPES = (
     ("float64", 4096, 64, False),
 )
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+#: Untimed calls after the warm-up and check, for at least this long (and at least two): on a
+#: 2-core VM the first calls after the single-threaded check ran up to twice as slow as the rest.
+SETTLE_SECONDS = 0.5
 #: A row's identity: the cpu suite's fields (docs/architecture.md#benchmarks) besides ms and peak_mib.
 ROW_KEYS = ("system", "dtype", "B", "H", "L", "D", "causal", "mode", "threads")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -104,6 +110,20 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:  # not glibc
         pass
+
+
+@contextlib.contextmanager
+def _one_blas_thread():
+    """NumPy's BLAS at one thread inside (through threadpoolctl, when installed). The reference
+    check runs so: OpenBLAS's worker threads spin for about 0.1 s after a multi-threaded call,
+    and would take a core from the first timed calls of the system under test."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
 
 
 def _reference(q, k, v, dout, causal: bool, backward: bool):
@@ -226,8 +246,9 @@ def measure(spec: dict) -> dict:
     except ImportError as exc:
         return {**row, "skipped": f"{type(exc).__name__}: {exc}"}
     row.update(details)
+    with _one_blas_thread():
+        expected = _reference(q[0, 0], k[0, 0], v[0, 0], dout[0, 0], causal, backward)
     results = [to_numpy(x) for x in call()]  # the warm-up call, also checked
-    expected = _reference(q[0, 0], k[0, 0], v[0, 0], dout[0, 0], causal, backward)
     errors = [float(np.linalg.norm(np.asarray(r[0, 0], np.float64) - e) / np.linalg.norm(e))
               for r, e in zip(results, expected)]
     row["rel_error"] = max(errors)
@@ -238,6 +259,11 @@ def measure(spec: dict) -> dict:
     base = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
+    settle = time.perf_counter() + SETTLE_SECONDS
+    for _ in range(2):  # untimed: the calls right after the check ran up to 2x slower on a 2-core VM
+        call()
+    while time.perf_counter() < settle:
+        call()
     times = []
     for _ in range(spec["repeats"]):
         start = time.perf_counter()
