@@ -193,12 +193,24 @@ def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges,
     return tanh
 
 
+def _is_operand(x: Any, acc: np.dtype) -> bool:
+    """Whether BLAS reads ``x`` as it is: the accumulator dtype, the last axis contiguous."""
+    return x.dtype == acc and (x.strides[-1] == x.itemsize or x.shape[-1] <= 1)
+
+
 def _as_operand(x: Any, acc: np.dtype) -> np.ndarray:
-    """``x`` in the accumulator dtype with a contiguous last axis (what BLAS reads
-    without a copy): x itself when it already is, else one converted copy."""
-    if x.dtype == acc and (x.strides[-1] == x.itemsize or x.shape[-1] <= 1):
+    """``x`` as a BLAS operand: x itself when it already is one, else one converted copy."""
+    return x if _is_operand(x, acc) else np.ascontiguousarray(x, dtype=acc)
+
+
+def _operand_rows(x: np.ndarray, acc: np.dtype, scratch: "_Scratch", name: str) -> np.ndarray:
+    """Rows ``x`` (rows, D) as a BLAS operand: ``x`` itself when it already is one, else
+    converted into scratch buffer ``name``."""
+    if _is_operand(x, acc):
         return x
-    return np.ascontiguousarray(x, dtype=acc)
+    rows = scratch.get(name, *x.shape)
+    rows[...] = x
+    return rows
 
 
 class _Scratch:
@@ -402,15 +414,13 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
                 q_rows = pb.q[seg.q_index][i0:i1]
                 q2 = scratch.get("q2", rows, pb.head_dim)
                 np.multiply(q_rows, scale2, out=q2, dtype=acc)  # for S in base 2, as the forward
-                q = scratch.get("q", rows, pb.head_dim)
-                np.multiply(q_rows, scale, out=q, dtype=acc)  # for dK = scale dS^T Q
-                do = scratch.get("do", rows, pb.head_dim_v)
-                do[...] = dout[seg.q_index][i0:i1]
-                delta = np.sum(do * np.asarray(out[seg.q_index][i0:i1], dtype=acc), axis=1)  # D = rowsum(dO * O)
+                q = _operand_rows(q_rows, acc, scratch, "q")  # for dK = dS^T Q, scaled at the end
+                do = _operand_rows(dout[seg.q_index][i0:i1], acc, scratch, "do")
+                o_rows = _operand_rows(out[seg.q_index][i0:i1], acc, scratch, "o")
+                delta = np.einsum("ij,ij->i", do, o_rows)  # D = rowsum(dO * O)
                 lse_rows = np.asarray(lse[seg.lse_index][i0:i1], dtype=acc) * acc.type(LOG2E)
                 lse_safe = np.where(lse_rows == -np.inf, acc.type(0), lse_rows)  # fully masked rows: P = 0
-                dq_rows = scratch.get("dq", rows, pb.head_dim)
-                dq_rows[...] = 0
+                dq_rows = dq_seg[i0:i1]  # this unit's alone, zero until written below
                 for j0, j1, ranges, keep in _with_first(first, tiles):
                     n = j1 - j0
                     st = scratch.get("s", n, rows)
@@ -431,9 +441,11 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
                         db_seg[r, c] += (red.sum(axis=0, keepdims=True) if cols_b else red).T
                     if tanh is not None:
                         dpt *= 1 - tanh * tanh  # d(softcap tanh(x / softcap)) / dx = 1 - tanh^2
-                    dk_seg[j0:j1] += np.matmul(dpt, q, out=scratch.get("dk", n, pb.head_dim))  # q is pre-scaled
-                    dq_rows += np.matmul(dpt.T, ks[j0:j1], out=scratch.get("dqt", rows, pb.head_dim))
-                dq_seg[i0:i1] += dq_rows
+                    dk_seg[j0:j1] += np.matmul(dpt, q, out=scratch.get("dk", n, pb.head_dim))  # scaled at the end
+                    if j0 == first[0]:
+                        np.matmul(dpt.T, ks[j0:j1], out=dq_rows)  # dQ = dS K, scaled at the end
+                    else:
+                        dq_rows += np.matmul(dpt.T, ks[j0:j1], out=scratch.get("dqt", rows, pb.head_dim))
 
     tasks = _backward_tasks(pb, units, bias_grad)
     costs = [] if len(tasks) < 2 else [
@@ -452,6 +464,7 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
             for seg in u.segments:
                 dq[seg.q_index][: seg.q_len] += dq_parts[(u.part, seg.bh)]
     dq *= scale  # dQ = scale * dS K
+    dk *= scale  # dK = scale * dS^T Q
     if dbias is not None:
         dbias = dbias.reshape(pb.bias_shape).astype(pb.bias.dtype)
     return dq.astype(pb.dtype, copy=False), dk.astype(pb.dtype, copy=False), dv.astype(pb.dtype, copy=False), dbias
