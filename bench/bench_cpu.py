@@ -426,19 +426,28 @@ def _print_row(row: dict) -> None:
         print(f"{head}  {row.get('failure') or row.get('skipped')}", flush=True)
 
 
+def _paired_ratios(baseline: dict, row: dict) -> list[float]:
+    """baseline's ms over row's, round by round (the two ran back to back in each round)."""
+    return [b / r for b, r in zip(baseline.get("ms_rounds", [baseline["ms"]]), row.get("ms_rounds", [row["ms"]]))]
+
+
 def _print_ratios(rows: list[dict]) -> None:
     """flashcupy's speedup over torch-cpu per shape, mode and threads, and its 1 -> n scaling."""
     timed = {(r["system"], r["dtype"], r["L"], r["D"], r["causal"], r["mode"], r["threads"]): r
              for r in rows if "ms" in r}
-    print("\nspeedup of flashcupy over torch-cpu (torch ms / flashcupy ms), peak memory ratio:")
+    print("\nspeedup of flashcupy over torch-cpu (torch ms / flashcupy ms; per round, the two measured "
+          "back to back: their median and range), peak memory ratio:")
     for key, row in timed.items():
         if key[0] != "flashcupy":
             continue
         other = timed.get(("torch-cpu",) + key[1:])
         if other:
             mem = row["peak_mib"] / other["peak_mib"] if other["peak_mib"] > 0 else float("nan")
+            paired = _paired_ratios(other, row)
+            rounds = (f"   rounds {statistics.median(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})"
+                      if len(paired) > 1 else "")
             print(f"  {key[1]:>7} L={key[2]:<5} D={key[3]:<3} causal={key[4]!s:<5} {key[5]:>7} t={key[6]}: "
-                  f"{other['ms'] / row['ms']:.2f}x   memory {mem:.2f}x")
+                  f"{other['ms'] / row['ms']:.2f}x{rounds}   memory {mem:.2f}x")
     counts = sorted({key[6] for key in timed})
     if len(counts) > 1:
         print(f"scaling from {counts[0]} to {counts[-1]} threads (ms at {counts[0]} / ms at {counts[-1]}):")
