@@ -37,7 +37,7 @@ SOURCES: dict[str, list[str]] = {
         "nvidia-h100-80gb-hbm3-2026-11-22-float64.json",
     ],
     "options": ["nvidia-h100-80gb-hbm3-2026-11-25-options.json", "nvidia-h100-80gb-hbm3-2026-11-25-options-philox.json"],
-    "cpu": ["cpu-2026-11-25-quiet.json"],
+    "cpu": ["cpu-2026-11-27.json"],
 }
 
 
@@ -87,9 +87,10 @@ def suite_of(data: dict[str, Any]) -> str:
 
 
 def rows_of(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """A file's rows in the suites' format. CPU files written before it hold one row per
-    length with flashcupy's and naive NumPy's figures side by side (one head, forward)."""
-    rows = data.get("rows", [])
+    """A file's measured rows in the suites' format (rows a system skipped or failed, which
+    carry no figure, left out). CPU files written before it hold one row per length with
+    flashcupy's and naive NumPy's figures side by side (one head, forward)."""
+    rows = [r for r in data.get("rows", []) if "skipped" not in r and "failure" not in r]
     if rows and "flashcupy_ms" in rows[0]:
         return [{"system": system, "mode": "fwd", "dtype": r["dtype"], "B": 1, "H": 1, "D": r["D"],
                  "causal": r["causal"], "threads": None, "L": r["L"], "ms": r[f"{prefix}_ms"],
