@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import pytest
 
-from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs, kernel_dir
+from flashcupy.cuda.compile import compile_for_arch, cuda_include_dirs, kernel_dir, parse_ptxas
 from flashcupy.cuda.spec import EVERY_OPTION
 
 ARCHS = (75, 80, 86, 89, 90)
@@ -99,13 +99,6 @@ MACHINE_CODE = [c for c in CLASSES if not c.front_end]
 FRONT_END = [c for c in CLASSES if c.front_end]
 
 
-_COMPILING = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)a?'")
-_PROPERTIES = re.compile(
-    r"(?P<stack>\d+) bytes stack frame, (?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads"
-)
-_REGISTERS = re.compile(r"Used (?P<regs>\d+) registers")
-
-
 def _unavailable(reason: str):
     """Skip, or fail when FLASHCUPY_REQUIRE_NVRTC=1 so CI can never skip silently."""
     if os.environ.get(REQUIRE_ENV, "0") == "1":
@@ -126,28 +119,6 @@ def nvrtc_problem() -> str | None:
     if not cuda_include_dirs():
         return "no CUDA runtime headers (nvidia-cuda-runtime-cu12's include/ or $CUDA_PATH/include)"
     return None
-
-
-def parse_ptxas(log: str) -> list[dict]:
-    """One dict per entry function in ptxas' verbose report, in report order."""
-    log = log.replace("\0", "")
-    entries = []
-    for line in log.splitlines():
-        m = _COMPILING.search(line)
-        if m:
-            entries.append({"name": m["name"], "arch": int(m["arch"]), "stack": None, "stores": None,
-                            "loads": None, "regs": None})
-            continue
-        if not entries:
-            continue
-        m = _PROPERTIES.search(line)
-        if m and entries[-1]["stack"] is None:
-            entries[-1].update(stack=int(m["stack"]), stores=int(m["stores"]), loads=int(m["loads"]))
-            continue
-        m = _REGISTERS.search(line)
-        if m and entries[-1]["regs"] is None:
-            entries[-1]["regs"] = int(m["regs"])
-    return entries
 
 
 def _cxa_demangle():

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -293,3 +294,34 @@ def compile_for_arch(family: str, names: list[str], arch: int, front_end: bool =
         return nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
+
+
+_COMPILING = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\d+)a?'")
+_PROPERTIES = re.compile(
+    r"(?P<stack>\d+) bytes stack frame, (?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads"
+)
+_REGISTERS = re.compile(r"Used (?P<regs>\d+) registers")
+
+
+def parse_ptxas(log: str) -> list[dict]:
+    """One dict per entry function in ptxas' verbose report (:func:`compile_for_arch`'s log),
+    in report order: its mangled ``name``, ``arch``, ``regs`` and the bytes of ``stack``
+    frame, spill ``stores`` and spill ``loads`` (None where the report lacks a figure)."""
+    log = log.replace("\0", "")
+    entries = []
+    for line in log.splitlines():
+        m = _COMPILING.search(line)
+        if m:
+            entries.append({"name": m["name"], "arch": int(m["arch"]), "stack": None, "stores": None,
+                            "loads": None, "regs": None})
+            continue
+        if not entries:
+            continue
+        m = _PROPERTIES.search(line)
+        if m and entries[-1]["stack"] is None:
+            entries[-1].update(stack=int(m["stack"]), stores=int(m["stores"]), loads=int(m["loads"]))
+            continue
+        m = _REGISTERS.search(line)
+        if m and entries[-1]["regs"] is None:
+            entries[-1]["regs"] = int(m["regs"])
+    return entries
