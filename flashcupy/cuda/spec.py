@@ -10,8 +10,9 @@ compiles without register spills with no score option and, for tensor-core kerne
 with any single option; tests/test_kernels_compile.py checks each architecture with none and
 with every option at once, and bench/option_spills.py every option set (some multi-option
 sets spill: bench/NOTES.md, 'Open: score options'); each rule's ``why`` says what it is for,
-and bench/NOTES.md holds the figures behind the choices. :func:`explain_forward` and :func:`explain_backward` say which rule fired and which
-candidates did not fit (``python -m flashcupy explain``).
+and bench/NOTES.md holds the figures behind the choices. :func:`explain_forward` and
+:func:`explain_backward` say which rule fired and which candidates did not fit
+(``python -m flashcupy explain``).
 
 A :class:`KernelSpec` names one instantiation of ``flash::flash_fwd``
 (``kernels_cu/flash_fwd.cu``): mainloop, score modifiers, shared memory and threads, which
