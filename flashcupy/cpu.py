@@ -7,8 +7,9 @@ runs near BLAS's peak even for small head dims, and every per-query statistic
 is a vector along the tile's fast axis (see cpu_kernels). Scores are held in
 base 2 (log2(e) folded into the scale, as FlashAttention does) so that
 probabilities are exp2 of a difference. The forward keeps a running shift ``m``
-(from a query's first score, moved up lazily: cpu_kernels), a running sum ``l`` and an unnormalised
-accumulator, rescaling them as each key tile arrives (online softmax), and
+(from a query's first score, moved up lazily: cpu_kernels), a running sum ``l``
+and an unnormalised accumulator, rescaling them as each key tile arrives (online
+softmax), and
 normalises once at the end; the backward recomputes each probability tile from
 the saved log-sum-exp. Nothing larger than a tile is allocated for scores, so extra
 memory is O(L) per thread, and key tiles that causal, window, block or boolean

@@ -14,15 +14,15 @@ single exact subtraction.
   round(x), |f| <= 1/2, and 2^f a polynomial: for float32 of degree 6, fitted
   to minimise the relative error on [-1/2, 1/2] with p(0) = 1 (1e-7 in float32
   arithmetic); for float64 the Taylor series of e^(f ln 2) to degree 13. x is
-  clamped to [lowest, 64] first, two instructions that keep NaN: at the lowest
-  exponent the power of two's bits are those of 0, so results below half the
-  smallest normal number are exactly 0 with no select. The forward rescales
-  lazily: a query's shift m starts at its score for the first key and stays
-  put while a tile's sum of 2^(s - m) is at most 2^SUM_HEADROOM (so every
-  probability is too); past that the shift moves up by a whole power of two
-  (exact rescaling), and no pass ever looks for the maximum. A query whose sum
-  reaches 2^60 (a score far past its shift, or +inf, both read as 2^64 by the
-  clamp) is recomputed alone with the exact two-pass step.
+  clamped to [lowest, 64] first by two compare-and-selects that keep NaN: at the
+  lowest exponent the power of two's bits are those of 0, so results below half
+  the smallest normal number are exactly 0 with no further select. The forward
+  rescales lazily: a query's shift m starts at its score for the first key and
+  stays put while a tile's sum of 2^(s - m) is at most 2^SUM_HEADROOM times the
+  tile's keys (so no probability passes that either); past that the shift moves
+  up by about log2 of the sum, and no pass ever looks for the maximum. A query
+  whose sum reaches 2^60 (a score far past its shift, or +inf, both read as 2^64
+  by the clamp) is recomputed alone with the exact two-pass step.
 - :class:`NumpyKernels`: the same steps as NumPy calls (np.exp2), with the
   running maximum as the shift.
 
@@ -50,10 +50,11 @@ from . import rng
 #: Scores are held in base 2 (S log2 e): probabilities are exp2 of a difference.
 LOG2E = 1 / math.log(2)
 LN2 = math.log(2)
-#: How large (base 2) a tile's sum of 2^(s - m) may grow before the forward moves the shift m
-#: up: probabilities stay below 2^20. A tile's sum is at most its keys (<= 2^10 at the default
-#: tiles) while no score exceeds the shift, so ordinary tiles never rescale.
-SUM_HEADROOM = 20.0
+#: How large (base 2) a tile's sum of 2^(s - m) may grow, over its key count, before the forward
+#: moves the shift m up. A tile's sum is at most its keys while no score exceeds the shift, so
+#: ordinary tiles never rescale; sums (and so the unnormalised output, sum_j 2^(s_j - m) v_j) stay
+#: within 2^8 times the keys, as with a running maximum kept within 8 of the scores'.
+SUM_HEADROOM = 8.0
 #: A tile's sum at which a lazily shifted query is recomputed alone (exp2 reads arguments past
 #: 64 as 64: a sum this large means a score at least 60 past the shift, or +inf).
 DAMAGED_SUM = 2.0**60
@@ -73,7 +74,7 @@ class TileKernels(Protocol):
                      scratch: np.ndarray, damaged: np.ndarray, exact: bool) -> int:
         """Online softmax step with shift m (base 2): st = 2^(st - m_new), alpha =
         2^(m - m_new), l = l * alpha + sum_j st, m = m_new, where sum_j st <=
-        2^SUM_HEADROOM; with ``exact``, m_new = max(m, max_j st). Special values as in the
+        2^SUM_HEADROOM times st's keys; with ``exact``, m_new = max(m, max_j st). Special values as in the
         module docstring (a NaN or +inf score leaves l NaN). ``scratch`` is (3, queries).
         Returns how many queries (listed in ``damaged``) were left untouched but for their
         st column, to be recomputed and passed alone with ``exact``. Each query's result
@@ -184,7 +185,7 @@ def _numba_kernels():
         top, rest = f(coefs[-1]), tuple(f(c) for c in coefs[-2::-1])
 
         def impl(x):
-            # Clamp (one max, one min): a compare that is false for NaN picks x, so NaN stays NaN.
+            # Clamp: a compare that is false for NaN selects x, so NaN stays NaN.
             xc = lowest if lowest > x else x
             xc = highest if xc > highest else xc
             t = xc + magic
@@ -248,12 +249,12 @@ def _numba_kernels():
             elif s == 0 and m[i] == -np.inf:  # nothing kept yet: l = 0, o = 0 stay
                 alpha[i] = 1
             else:
-                k = np.floor(np.log2(s)) if s > headroom else 0
-                if k > 0:  # move the shift up by a whole power of two: exact rescaling
-                    top[i] = exp2(-k)
+                m_new = shift[i]
+                if s > headroom * n:  # move the shift up by about log2(s), to a value m holds exactly
+                    m_new = shift[i] + np.floor(np.log2(s))
+                    top[i] = exp2(shift[i] - m_new)  # a power of two unless m_new was rounded
                     s *= top[i]
                     rescale = True
-                m_new = shift[i] + k
                 alpha[i] = exp2(m[i] - m_new)  # 1 when the shift stays, 0 for the first tile
                 l[i] = l[i] * alpha[i] + s
                 m[i] = m_new

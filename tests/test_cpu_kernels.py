@@ -98,6 +98,36 @@ def test_a_tile_whose_sum_passes_the_headroom_moves_the_shift(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_moved_shift_weighs_every_tile_alike(dtype):
+    """Scores near 1000 (base 2): the moved shift lands where m can hold it exactly, and the
+    tiles before and after the move are weighed by the same m (the last key's weight: about 1/2)."""
+    tiles = [np.array([[1000.00006]], dtype), np.array([[1030.0]], dtype), np.array([[1030.0]], dtype)]
+    values = [0.0, 0.0, 1.0]
+    m, l, o = np.full(1, -np.inf, dtype), np.zeros(1, dtype), np.zeros((1, 1), dtype)
+    alpha, scratch, damaged = np.empty(1, dtype), np.empty((3, 1), dtype), np.empty(1, np.int64)
+    for tile, value in zip(tiles, values):
+        st = tile.copy()
+        count = NUMBA.forward_tile(st, m, l, alpha, scratch, damaged, False)
+        if count:
+            st = tile.copy()
+            NUMBA.forward_tile(st, m, l, alpha, scratch, damaged, True)
+        NUMBA.rescale_add(o, alpha, st.T @ np.full((1, 1), value, dtype))
+    first = float(tiles[0][0, 0])
+    want = 1 / (2 + 2.0 ** (first - 1030))  # softmax weight of the last key
+    assert abs(o[0, 0] / l[0] - want) <= 4 * np.finfo(dtype).eps
+
+
+def test_large_values_with_a_lazy_shift_stay_finite():
+    """A score 19.5 (base 2) past a query's first keeps its probability bounded before P V:
+    v near float32's largest values still gives their average, not inf."""
+    q = np.ones((1, 1, 1), np.float32)
+    k = np.array([[[0.0], [19.5 * np.log(2)]]], np.float32)
+    v = np.full((1, 2, 1), 1e33, np.float32)
+    out = fc.flash_attention(q, k, v, scale=1.0, backend="cpu")
+    np.testing.assert_allclose(out, 1e33, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_special_values_agree(dtype):
     tiles = [_tile(dtype, 16, 6, seed=s, spread=4.0) for s in range(3)]
     tiles[0][:, 0] = -np.inf  # query 0 masked in its first tile, live later
