@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from bench_attention import git_commit  # noqa: E402
 from flashcupy.cuda import spec as S  # noqa: E402
@@ -86,6 +86,35 @@ def calls(arch: int) -> list[tuple[str, S.Call]]:
     return out
 
 
+def _screen(args: argparse.Namespace, pool: concurrent.futures.Executor) -> tuple[dict, list]:
+    """({(family, name): figures} of every option-carrying tensor-core kernel with every option
+    at once, [(family, call)] whose kernels reach args.min_regs registers, of args.dtypes)."""
+    screened = [(family, call, chosen(family, call)) for family, call in calls(args.arch)]
+    screened = [(family, call, names) for family, call, names in screened if names]
+    unique = sorted({job for _, _, names in screened for job in names})
+    screen = dict(zip(unique, pool.map(figures, [(f, n, args.arch) for f, n in unique])))
+    heavy = [(family, call) for family, call, names in screened
+             if max(screen[n]["regs"] for n in names) >= args.min_regs and call.dtype in args.dtypes]
+    return screen, heavy
+
+
+def _sweep(heavy: list, arch: int, pool: concurrent.futures.Executor) -> list[dict]:
+    """A row per (call of ``heavy``, option set, kernel the rules choose): ptxas' figures."""
+    jobs: dict = {}
+    for family, call in heavy:
+        for scores in option_sets():
+            for job in chosen(family, S.Call(call.dtype, call.hd, call.arch, call.smem_limit, call.allow_tf32,
+                                             False, scores, call.deterministic)):
+                jobs.setdefault(job, []).append((family, call, scores))
+    results = dict(zip(jobs, pool.map(figures, [(f, n, arch) for f, n in jobs])))
+    rows = []
+    for job, uses in jobs.items():
+        for family, call, scores in uses:
+            rows.append({"family": family, "dtype": call.dtype, "hd": call.hd, "allow_tf32": call.allow_tf32,
+                         "deterministic": call.deterministic, "set": str(scores), **results[job]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, required=True, choices=sorted(S.ARCH_SMEM))
@@ -98,29 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from cupy_backends.cuda.libs import nvrtc
 
-    pool = concurrent.futures.ProcessPoolExecutor(args.workers)
-    screened = [(family, call, chosen(family, call)) for family, call in calls(args.arch)]
-    screened = [(family, call, names) for family, call, names in screened if names]
-    unique = sorted({job for _, _, names in screened for job in names})
-    screen = dict(zip(unique, pool.map(figures, [(f, n, args.arch) for f, n in unique])))
-    heavy = [(family, call) for family, call, names in screened
-             if max(screen[n]["regs"] for n in names) >= args.min_regs and call.dtype in args.dtypes]
-    print(f"sm_{args.arch}: {len(unique)} every-option kernels, {len(heavy)} calls at >= {args.min_regs} registers",
-          flush=True)
-
-    sets = option_sets()
-    jobs = {}
-    for family, call in heavy:
-        for scores in sets:
-            for job in chosen(family, S.Call(call.dtype, call.hd, call.arch, call.smem_limit, call.allow_tf32,
-                                             False, scores, call.deterministic)):
-                jobs.setdefault(job, []).append((family, call, scores))
-    results = dict(zip(jobs, pool.map(figures, [(f, n, args.arch) for f, n in jobs])))
-    rows = []
-    for job, uses in jobs.items():
-        for family, call, scores in uses:
-            rows.append({"family": family, "dtype": call.dtype, "hd": call.hd, "allow_tf32": call.allow_tf32,
-                         "deterministic": call.deterministic, "set": str(scores), **results[job]})
+    with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
+        screen, heavy = _screen(args, pool)
+        print(f"sm_{args.arch}: {len(screen)} every-option kernels, {len(heavy)} calls at >= {args.min_regs} "
+              f"registers", flush=True)
+        rows = _sweep(heavy, args.arch, pool)
     for family, call in heavy:
         mine = [r for r in rows if (r["family"], r["dtype"], r["hd"], r["allow_tf32"], r["deterministic"])
                 == (family, call.dtype, call.hd, call.allow_tf32, call.deterministic)]
@@ -133,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or ROOT / "bench" / "results" / f"option-spills-sm{args.arch}-{datetime.date.today().isoformat()}.json"
     out.write_text(json.dumps({"arch": args.arch, "nvrtc": ".".join(map(str, nvrtc.getVersion())), "commit": git_commit(),
                                "min_regs": args.min_regs, "date": datetime.date.today().isoformat(),
-                               "screen": [{"family": f, "kernel": n, **screen[(f, n)]} for f, n in unique],
+                               "screen": [{"family": f, "kernel": n, **figs} for (f, n), figs in screen.items()],
                                "rows": rows}) + "\n")
     print(f"wrote {out}")
 

@@ -34,6 +34,16 @@ FLOOR = testing.ROUNDING_FLOOR
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def bench_script(name: str) -> Any:
+    """bench/<name>.py imported as a module (the scripts are not a package)."""
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
 def bench_plan(suite: str, *args: str) -> list[str]:
     """The lines ``python -m flashcupy bench --suite <suite> --dry-run [args]`` prints: the
     suite's plan, run through the CLI from the repository root."""

@@ -8,7 +8,7 @@ import sys
 
 from flashcupy import __main__ as cli
 
-from support import ROOT, bench_plan
+from support import ROOT, bench_plan, bench_script
 
 FIELDS = {"system", "dtype", "B", "H", "L", "D", "causal", "mode", "threads"}
 
@@ -35,17 +35,8 @@ def test_thread_counts_are_checked() -> None:
     assert proc.returncode != 0 and "--threads: expected 1.." in proc.stderr
 
 
-def _bench_cpu():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_cpu", ROOT / "bench" / "bench_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_rounds_take_turns_and_combine_by_the_median() -> None:
-    bench = _bench_cpu()
+    bench = bench_script("bench_cpu")
     plan = _plan("--systems", "flashcupy", "torch-cpu", "--modes", "fwd", "--threads", "1")
     groups = bench._shape_groups(plan)
     assert len(groups) == 5 and all([s["system"] for s in g] == ["flashcupy", "torch-cpu"] for g in groups)
