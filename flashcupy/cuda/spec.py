@@ -6,10 +6,10 @@ capability, options, determinism), the pipeline it builds (product policy, mainl
 and its tile candidates in order of preference. The first rule whose condition holds is
 tried: its first candidate that fits the GPU's shared memory wins; a rule marked
 ``fallback`` hands a call none of its candidates fits to the rules after it. Every choice
-compiles without register spills with no score option and, for tensor-core kernels on sm_90,
-with any single option; tests/test_kernels_compile.py checks each architecture with none and
-with every option at once, and bench/option_spills.py every option set (some multi-option
-sets spill: bench/NOTES.md, 'Open: score options'); each rule's ``why`` says what it is for,
+compiles without register spills with no score option and, for tensor-core kernels, with any
+single option; tests/test_kernels_compile.py checks each architecture with none and with
+every option at once, and bench/option_spills.py every option set (some multi-option sets
+spill: bench/NOTES.md, 'Open: score options'); each rule's ``why`` says what it is for,
 and bench/NOTES.md holds the figures behind the choices. :func:`explain_forward` and
 :func:`explain_backward` say which rule fired and which candidates did not fit
 (``python -m flashcupy explain``).
