@@ -15,10 +15,29 @@
 
 namespace flash {
 
+// The first `bytes` (0 to 16) bytes of a 16-byte chunk from src to dst (both 16-byte
+// aligned), the rest of dst's 16 zero-filled; src is not read when bytes is 0.
+__device__ __forceinline__ void cp_async_16_partial(void* dst, const void* src, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+#else
+    if (bytes == 16) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+        for (int b = 0; b < 16; ++b)
+            static_cast<unsigned char*>(dst)[b] = b < bytes ? static_cast<const unsigned char*>(src)[b] : 0;
+    }
+#endif
+}
+
+// A 16-byte chunk, or 16 zero bytes where !valid (src-size 0: nothing is read). The
+// operand tiles' copy, written out rather than through cp_async_16_partial: the plain
+// kernels keep the instruction order they were measured with.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
-    const int bytes = valid ? 16 : 0;  // src-size 0: nothing is read, 16 zero bytes are written
+    const int bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
 #else
     *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);

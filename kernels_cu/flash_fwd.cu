@@ -7,10 +7,12 @@
 //     folds each tile into the online softmax (softmax.cuh): a running row max m, a running
 //     sum l and an unnormalised O kept in registers;
 //   score modifiers (score/scores.cuh): PlainScores or the call's ScoreMods, what turns
-//     products into scores and which tiles to skip;
+//     products into scores and which tiles to skip, with the bias and mask tiles they read
+//     staged in shared memory beside the mainloop's tiles (score/tiles.cuh);
 //   the epilogue (epilogue.cuh): O normalised once, with the log-sum-exp.
 // Template arguments: Mainloop, ScoreSet (a ScoreMods), and the shared memory
-// and threads the host launches with, checked against the mainloop's at compile time.
+// and threads the host launches with, checked against the mainloop's and the staged
+// operands' at compile time.
 #include "epilogue.cuh"
 #include "mainloop/fwd_overlap.cuh"
 #include "mainloop/fwd_producer_consumer.cuh"
@@ -21,7 +23,6 @@ namespace flash {
 template <typename Mainloop, typename ScoreSet, int SMEM_BYTES, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     static_assert(THREADS == Mainloop::kThreads, "the host launches the mainloop's threads");
-    static_assert(SMEM_BYTES == Mainloop::kSmemBytes, "the host launches with the mainloop's shared memory");
     using T = typename Mainloop::Element;
     using Acc = typename Mainloop::Acc;
     constexpr int MI = Mainloop::MI;       // 16-row groups per warp
@@ -29,9 +30,13 @@ __global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     constexpr int BLOCK_M = Mainloop::kBlockM;
     constexpr int DV = Mainloop::kDv;
     constexpr int NO = DV / 8;             // accumulator tiles of O per warp
+    using Staged = ScoreTiles<ScoreSet, BLOCK_M, Mainloop::kBlockN, Mainloop::kStages>;
+    using Storage = StorageWith<typename Mainloop::SharedStorage, Staged::kBytes>;
+    static_assert(SMEM_BYTES == smem_bytes<Mainloop::kSwizzled>(sizeof(Storage)),
+                  "the host launches with the mainloop's shared memory and the staged score operands'");
 
     extern __shared__ __align__(16) unsigned char smem[];
-    auto& storage = *reinterpret_cast<typename Mainloop::SharedStorage*>(tiles_base<Mainloop::kSwizzled>(smem));
+    auto& storage = *reinterpret_cast<Storage*>(tiles_base<Mainloop::kSwizzled>(smem));
 
     // Grid: x = (Dv chunk, row block) with row blocks fastest, so consecutive blocks share
     // K and V in L2; batch x heads is split over y and z (gridDim.y is at most 65535).
@@ -69,11 +74,13 @@ __global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     if (rows_valid > 0) key_range(p, hv, i0, i0 + rows_valid, lo, hi);
 
     const Scores<Acc, ScoreSet> scores(p, hv);
+    const Staged staged(p, hv, storage.extra(), i0, rows_valid);
     const int i1 = i0 + rows_valid;
     // This thread's rows: row(x) = r0 + 8 x for x = 2 mi + (e >> 1), x in [0, 2 MI).
     const int r0 = i0 + WARP_M * warp + g;
     Acc m[2 * MI], l[2 * MI];  // running row max (log2 domain); this thread's share of the row sum
-    OnlineSoftmax<Acc, MI, ScoreSet, Mainloop::kSequentialMask> softmax{p, hv, scores, i0, i1, r0, t, m, l};
+    OnlineSoftmax<Acc, MI, ScoreSet, Mainloop::kSequentialMask, Staged> softmax{p, hv, scores, staged, i0, i1, r0,
+                                                                                t, m, l};
     Acc o[MI][NO][4];
 #pragma unroll
     for (int x = 0; x < 2 * MI; ++x) {
@@ -83,7 +90,7 @@ __global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     zero_acc(o);
 
     const FwdBlock<T> block{p, hv, warp, i0, i1, rows_valid, lo, hi, gQ, gK, gV, dv_load};
-    if (!Mainloop::run(storage, block, scores, softmax, o)) return;  // a producer warp
+    if (!Mainloop::run(storage, block, scores, staged, softmax, o)) return;  // a producer warp
     // A block that attended no tile still waits for its Q copy (a producer-consumer mainloop's
     // consumer has none: its producer copies Q).
     cp_async_wait<0>();

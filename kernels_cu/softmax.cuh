@@ -4,6 +4,7 @@
 
 #include "mma/common.cuh"
 #include "score/scores.cuh"
+#include "score/tiles.cuh"
 
 namespace flash {
 
@@ -18,13 +19,14 @@ __device__ __forceinline__ double max_acc(double a, double b) { return a > b ? a
 // share of the running sum l, fed by the kernel's score modifiers (score/scores.cuh) for the
 // option set Set.
 // SEQUENTIAL_MASK: PlainScores' masked tiles take TileBand's sequential test (a mainloop's
-// kSequentialMask).
-template <typename Acc, int MI, typename Set, bool SEQUENTIAL_MASK>
+// kSequentialMask). Staged: the block's score operands in shared memory (ScoreTiles).
+template <typename Acc, int MI, typename Set, bool SEQUENTIAL_MASK, typename Staged>
 struct OnlineSoftmax {
     using Sc = Scores<Acc, Set>;
     const Params& p;
     const HeadView& hv;
     const Sc& scores;
+    const Staged& staged;
     int i0, i1;    // the block's valid rows
     int r0, t;     // this thread's first row and its column pair in each 8-column tile
     Acc (&m)[2 * MI];  // rows r0 + 8 x, x in [0, 2 MI)
@@ -32,10 +34,11 @@ struct OnlineSoftmax {
 
     // Scores of keys [jt0, jt0 + 8 NP) (valid below jt1) from raw products sp, turned into
     // P = exp2(S - m) in place (dropped elements 0) and folded into m and l; alpha =
-    // exp2(m_old - m_new) per row is what O has to be rescaled by (rescale).
+    // exp2(m_old - m_new) per row is what O has to be rescaled by (rescale). The tile's
+    // operands are in stage `stage` of `staged`.
     template <int NP>
     __device__ __forceinline__ void exponentiate(Acc (&sp)[MI][NP][4], const int jt0, const int jt1,
-                                                 Acc (&alpha)[2 * MI]) {
+                                                 Acc (&alpha)[2 * MI], int stage) {
         Acc row_max[2 * MI];
 #pragma unroll
         for (int x = 0; x < 2 * MI; ++x) row_max[x] = neg_inf<Acc>();
@@ -48,7 +51,8 @@ struct OnlineSoftmax {
         if constexpr (Sc::kFull) {
             // One copy of the options' passes for every tile, the selection skipped on fast ones
             // (a second copy for fast tiles spills the D = 128 bias kernel).
-            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, !fast);
+            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, !fast,
+                                                         staged.operands(stage, r0 - i0, t));
             each_element(sp, 0, 0, 0, fold_max);
         } else if (fast) {
             each_element(sp, 0, 0, 0, [&](Acc& s, int i, int j) {
@@ -58,7 +62,8 @@ struct OnlineSoftmax {
         } else {
             // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
             // discarded: both masked, the latter before any mask or bias read.
-            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, true);
+            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, true,
+                                                         staged.operands(stage, r0 - i0, t));
             each_element(sp, 0, 0, 0, fold_max);
         }
         Acc m_safe[2 * MI];
@@ -106,9 +111,10 @@ struct OnlineSoftmax {
 
     // exponentiate, then rescale O for the new maxima.
     template <int NP, int NO>
-    __device__ __forceinline__ void fold(Acc (&sp)[MI][NP][4], const int jt0, const int jt1, Acc (&o)[MI][NO][4]) {
+    __device__ __forceinline__ void fold(Acc (&sp)[MI][NP][4], const int jt0, const int jt1, Acc (&o)[MI][NO][4],
+                                         int stage) {
         Acc alpha[2 * MI];
-        exponentiate(sp, jt0, jt1, alpha);
+        exponentiate(sp, jt0, jt1, alpha, stage);
         rescale(o, alpha);
     }
 };

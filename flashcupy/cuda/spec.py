@@ -124,6 +124,20 @@ class ScoreSet:
         return "ScoreMods: " + ", ".join(f"bias ({self.bias_dtype})" if m == "bias" else m for m in self.mods)
 
 
+def score_tile_bytes(scores: ScoreSet, rows: int, cols: int) -> int:
+    """Shared memory of one stage of a forward kernel's staged score operands
+    (kernels_cu/score/tiles.cuh's ScoreTiles::kStageBytes): the (rows, cols) bias tile in
+    its own dtype and the mask tile in bytes, rows padded by 16 bytes (the mask's keys first
+    rounded up to 16)."""
+    size = 0
+    if "bias" in scores.mods:
+        item = np.dtype(scores.bias_dtype if scores.bias_dtype != "bfloat16" else "float16").itemsize
+        size += rows * (cols + 16 // item) * item
+    if "mask" in scores.mods:
+        size += rows * ((cols + 15) // 16 * 16 + 16)
+    return size
+
+
 #: The plain set, and every option at once (a float32 bias): the two sets compile checks cover.
 PLAIN = ScoreSet()
 EVERY_OPTION = ScoreSet(SCORE_MODS, "float32")
@@ -197,7 +211,8 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: Q (BLOCK_M, HD) and ``stages`` of K (BLOCK_N, HD) and V
         (BLOCK_N, DV); rows padded by 16 bytes, or (wgmma) swizzled without padding and
-        1024 bytes of slack to align the tiles. wgmma_tf32x3 (flash_fwd.cu's Tf32x3Smem): Q,
+        1024 bytes of slack to align the tiles; ``stages`` of the staged bias and mask tiles
+        (:func:`score_tile_bytes`). wgmma_tf32x3 (flash_fwd.cu's Tf32x3Smem): Q,
         and per stage K and V^T, as hi and lo tiles, and per stage V as copied."""
         if self.policy == "wgmma_tf32x3":
             kv = self.stages * self.block_n * (2 * self.head_dim + 3 * self.dv_tile)
@@ -205,7 +220,7 @@ class KernelSpec:
         pad, slack = (0, 1024) if self.policy == "wgmma" else (16 // self.itemsize, 0)
         kv = self.stages * self.block_n
         elems = (self.block_m + kv) * (self.head_dim + pad) + kv * (self.dv_tile + pad)
-        return elems * self.itemsize + slack
+        return elems * self.itemsize + slack + self.stages * score_tile_bytes(self.scores, self.block_m, self.block_n)
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,17 @@
 // walks (KeyTiles), and products issued and waited for at once.
 //
 // A forward mainloop is a type with
-//   Element, Acc, MI (16-row groups per warp), kBlockM, kDv, kThreads (every thread of the
-//   block, producer warps included), kSwizzled (its tiles start 1024-byte aligned),
-//   kSequentialMask (OnlineSoftmax's band test), SharedStorage and kSmemBytes;
-//   run(storage, block, scores, softmax, o): O and the softmax's m and l over every key tile
-//   the block attends, false for threads that hold no output rows (producer warps).
+//   Element, Acc, MI (16-row groups per warp), kBlockM, kBlockN (keys per tile), kStages (of
+//   K in shared memory), kDv, kThreads (every thread of the block, producer warps included),
+//   kSwizzled (its tiles start 1024-byte aligned), kSequentialMask (OnlineSoftmax's band
+//   test) and SharedStorage (the entry adds the staged operands' bytes and checks the sum);
+//   run(storage, block, scores, staged, softmax, o): O and the softmax's m and l over every
+//   key tile the block attends, false for threads that hold no output rows (producer warps);
+//   `staged` (score/tiles.cuh) holds kStages stages of the score operands a tile reads: a
+//   mainloop copies a tile's with its K (KeyTiles::load_k) into K's stage, and hands that
+//   stage to the softmax.
 // Adding a pipeline is adding such a type (one header) and the rule that picks it
-// (flashcupy/cuda/rules.py).
+// (flashcupy/cuda/spec.py).
 #pragma once
 
 #include "../mma/wgmma.cuh"
@@ -36,18 +40,21 @@ struct FwdBlock {
 
 // The key tiles of a block: starts at multiples of BLOCK_N (keys before lo are masked by the
 // band test: dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned),
-// skipping tiles the score modifiers rule out, and their copies into shared memory.
-template <typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc>
+// skipping tiles the score modifiers rule out, and their copies into shared memory: K with
+// the tile's staged score operands (Staged, score/tiles.cuh), and V.
+template <typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc, typename Staged>
 struct KeyTiles {
     const Params& p;  // strides and head dims read where used: fewer registers held across the loop
     const Sc& scores;
+    const Staged& staged;
     int i0, i1, lo, hi;
     const T* gK;
     const T* gV;
     int dv_load;
 
-    __device__ __forceinline__ KeyTiles(const FwdBlock<T>& b, const Sc& scores_)
-        : p(b.p), scores(scores_), i0(b.i0), i1(b.i1), lo(b.lo), hi(b.hi), gK(b.gK), gV(b.gV), dv_load(b.dv_load) {}
+    __device__ __forceinline__ KeyTiles(const FwdBlock<T>& b, const Sc& scores_, const Staged& staged_)
+        : p(b.p), scores(scores_), staged(staged_), i0(b.i0), i1(b.i1), lo(b.lo), hi(b.hi), gK(b.gK), gV(b.gV),
+          dv_load(b.dv_load) {}
 
     __device__ __forceinline__ int first() const {
         return scores.template next_live_tile<BLOCK_N>(i0, i1, lo - lo % BLOCK_N, hi);
@@ -57,9 +64,12 @@ struct KeyTiles {
         return j < hi ? scores.template next_live_tile<BLOCK_N>(i0, i1, j + BLOCK_N, hi) : hi;
     }
     // Copies of key tile j of K or V into the tile at s (keys past hi zero-filled, nothing
-    // when j >= hi).
-    __device__ __forceinline__ void load_k(T* s, int j) const {
-        if (j < hi) KTile::template load<THREADS>(s, gK + j * p.k_sr, p.k_sr, hi - j, p.d);
+    // when j >= hi); with K, the tile's score operands into stage `stage`.
+    __device__ __forceinline__ void load_k(T* s, int j, int stage) const {
+        if (j < hi) {
+            KTile::template load<THREADS>(s, gK + j * p.k_sr, p.k_sr, hi - j, p.d);
+            staged.template load<THREADS>(p, stage, j, hi - j);
+        }
     }
     __device__ __forceinline__ void load_v(T* s, int j) const {
         if (j < hi) VTile::template load<THREADS>(s, gV + j * p.v_sr, p.v_sr, hi - j, dv_load);
@@ -68,11 +78,12 @@ struct KeyTiles {
 
 // Copies the block's Q rows into sQ (QTile's layout; the caller commits the cp.async group)
 // and returns the block's key tiles.
-template <typename QTile, typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc>
-__device__ __forceinline__ KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc> start_tiles(T* sQ, const FwdBlock<T>& b,
-                                                                                      const Sc& scores) {
+template <typename QTile, typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc,
+          typename Staged>
+__device__ __forceinline__ KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc, Staged> start_tiles(
+    T* sQ, const FwdBlock<T>& b, const Sc& scores, const Staged& staged) {
     QTile::template load<THREADS>(sQ, b.gQ + b.i0 * b.p.q_sr, b.p.q_sr, b.rows_valid, b.p.d);
-    return KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc>(b, scores);
+    return KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc, Staged>(b, scores, staged);
 }
 
 // S = Q K^T for the calling warp's rows with the policy's own product, ready to read: a

@@ -7,7 +7,8 @@
 //
 // Tile i's K and V sit in stage i % 2, but K runs a tile ahead of V: iteration i reads
 // K_{i+1} and V_i, then refills their stages with K_{i+3} and V_{i+2}, so every copy has a
-// whole iteration to land. One cp.async group per refill.
+// whole iteration to land. One cp.async group per refill. A tile's staged score operands
+// travel with its K.
 #pragma once
 
 #include "fwd_common.cuh"
@@ -23,6 +24,8 @@ struct FwdOverlap {
     using Acc = float;
     static constexpr int MI = 1;
     static constexpr int kBlockM = 16 * NUM_WARPS;
+    static constexpr int kBlockN = BLOCK_N;
+    static constexpr int kStages = 2;
     static constexpr int kDv = DV;
     static constexpr int kThreads = 32 * NUM_WARPS;
     static constexpr bool kSwizzled = true;
@@ -37,22 +40,21 @@ struct FwdOverlap {
         T k[2][KTile::ELEMS];   // (BLOCK_N, HD) per stage
         T v[2][VTile::ELEMS];   // (BLOCK_N, DV) per stage
     };
-    static constexpr int kSmemBytes = smem_bytes<kSwizzled>(sizeof(SharedStorage));
 
-    template <typename Sc, typename Softmax>
+    template <typename Sc, typename Staged, typename Softmax>
     static __device__ __forceinline__ bool run(SharedStorage& storage, const FwdBlock<T>& b, const Sc& scores,
-                                               Softmax& softmax, float (&o)[1][DV / 8][4]) {
+                                               const Staged& staged, Softmax& softmax, float (&o)[1][DV / 8][4]) {
         constexpr int NT = BLOCK_N / 8;  // accumulator tiles of S per warp
         T* sQ = storage.q;
         T* sK = storage.k[0];
         T* sV = storage.v[0];
-        const auto tiles = start_tiles<QTile, KTile, VTile, BLOCK_N, kThreads>(sQ, b, scores);
+        const auto tiles = start_tiles<QTile, KTile, VTile, BLOCK_N, kThreads>(sQ, b, scores, staged);
         const int j0 = tiles.first();
         const int hi = b.hi;
         const int j1 = tiles.next(j0);
-        tiles.load_k(sK, j0);
+        tiles.load_k(sK, j0, 0);
         cp_async_commit();  // Q and K_0
-        tiles.load_k(sK + KTile::ELEMS, j1);
+        tiles.load_k(sK + KTile::ELEMS, j1, 1);
         tiles.load_v(sV, j0);
         cp_async_commit();  // K_1 and V_0
         typename Policy::template PFrag<BLOCK_N> pf;  // P of the current tile, O += P V's A operand
@@ -61,11 +63,11 @@ struct FwdOverlap {
             wait_tiles<1, true>();  // Q and K_0
             zero_acc(s);
             qk<Policy, kBlockM, HD, BLOCK_N, QTile, KTile>(sQ, b.warp, sK, s);  // S = Q K^T
-            softmax.exponentiate(s, j0, min(j0 + BLOCK_N, hi), alpha);         // O is still 0: no rescale
+            softmax.exponentiate(s, j0, min(j0 + BLOCK_N, hi), alpha, 0);      // O is still 0: no rescale
             Policy::template pack_p<BLOCK_N>(s, pf);
             __syncthreads();  // every warp is done with K_0: its stage takes K_2
             int j_next = j1, j_after = tiles.next(j1);
-            tiles.load_k(sK, j_after);
+            tiles.load_k(sK, j_after, 0);
             tiles.load_v(sV + VTile::ELEMS, j1);
             cp_async_commit();
             int stage = 0;  // of the current tile
@@ -76,7 +78,7 @@ struct FwdOverlap {
                 Policy::template pv_issue<BLOCK_N, DV>(pf, sV + stage * VTile::ELEMS, o);  // O += P V
                 wgmma_wait<1>();  // S_next has landed; P V may still run
                 fence_regs(s[0]);
-                softmax.exponentiate(s, j_next, min(j_next + BLOCK_N, hi), alpha);
+                softmax.exponentiate(s, j_next, min(j_next + BLOCK_N, hi), alpha, stage ^ 1);
                 wgmma_wait<0>();
                 fence_regs(o[0]);
                 fence_regs(pf[0]);
@@ -84,7 +86,7 @@ struct FwdOverlap {
                 Policy::template pack_p<BLOCK_N>(s, pf);
                 __syncthreads();  // every warp is done with K_next and this V: refill both stages
                 const int j3 = tiles.next(j_after);
-                tiles.load_k(sK + (stage ^ 1) * KTile::ELEMS, j3);
+                tiles.load_k(sK + (stage ^ 1) * KTile::ELEMS, j3, stage ^ 1);
                 tiles.load_v(sV + stage * VTile::ELEMS, j_after);
                 cp_async_commit();
                 j_next = j_after;

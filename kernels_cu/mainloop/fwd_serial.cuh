@@ -24,6 +24,8 @@ struct FwdSerial {
     using Acc = typename Policy::Acc;
     static constexpr int MI = Policy::MI;  // 16-row groups per warp
     static constexpr int kBlockM = 16 * MI * NUM_WARPS;
+    static constexpr int kBlockN = BLOCK_N;
+    static constexpr int kStages = STAGES;
     static constexpr int kDv = DV;
     static constexpr int kThreads = 32 * NUM_WARPS;
     static constexpr bool kSwizzled = Policy::WARPGROUP;
@@ -42,28 +44,27 @@ struct FwdSerial {
         T k[STAGES][KTile::ELEMS];   // (BLOCK_N, HD) per stage
         T v[STAGES][VTile::ELEMS];   // (BLOCK_N, DV) per stage
     };
-    static constexpr int kSmemBytes = smem_bytes<kSwizzled>(sizeof(SharedStorage));
 
-    template <typename Sc, typename Softmax>
+    template <typename Sc, typename Staged, typename Softmax>
     static __device__ __forceinline__ bool run(SharedStorage& storage, const FwdBlock<T>& b, const Sc& scores,
-                                               Softmax& softmax, Acc (&o)[MI][DV / 8][4]) {
+                                               const Staged& staged, Softmax& softmax, Acc (&o)[MI][DV / 8][4]) {
         constexpr int NT = BLOCK_N / 8;  // accumulator tiles of S per warp
         T* sQ = storage.q;
         T* sK = storage.k[0];
         T* sV = storage.v[0];
-        const auto tiles = start_tiles<QTile, KTile, VTile, BLOCK_N, kThreads>(sQ, b, scores);
+        const auto tiles = start_tiles<QTile, KTile, VTile, BLOCK_N, kThreads>(sQ, b, scores, staged);
         int j0 = tiles.first();
         const int hi = b.hi;
         int j_pre = hi;  // STAGES = 2: the tile in flight to the other stage
         if constexpr (STAGES == 2) {
-            tiles.load_k(sK, j0);
+            tiles.load_k(sK, j0, 0);
             tiles.load_v(sV, j0);
             cp_async_commit();  // Q and the first tile
             j_pre = tiles.next(j0);
-            tiles.load_k(sK + KTile::ELEMS, j_pre);
+            tiles.load_k(sK + KTile::ELEMS, j_pre, 1);
             tiles.load_v(sV + VTile::ELEMS, j_pre);
         } else {
-            tiles.load_k(sK, j0);
+            tiles.load_k(sK, j0, 0);
         }
         cp_async_commit();
         int stage = 0;
@@ -82,13 +83,13 @@ struct FwdSerial {
             Acc s[MI][NT][4];
             zero_acc(s);
             qk<Policy, kBlockM, HD, BLOCK_N, QTile, KTile>(sQ, b.warp, sKs, s);  // S = Q K^T
-            softmax.fold(s, j0, j1, o);
+            softmax.fold(s, j0, j1, o, stage);
             typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
             Policy::template pack_p<BLOCK_N>(s, pf);
             if constexpr (STAGES == 1) {  // the copy of V_j into the single stage has to land first
                 wait_tiles<0, kSwizzled>();  // ... and every warp be done reading K_j before K_next comes in
                 const int j_next = tiles.next(j0);
-                tiles.load_k(sK, j_next);
+                tiles.load_k(sK, j_next, 0);
                 cp_async_commit();
                 pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
                 j0 = j_next;
@@ -98,7 +99,7 @@ struct FwdSerial {
             __syncthreads();  // every warp is done with this stage: refill it
             const int j_next = j_pre;
             j_pre = tiles.next(j_pre);
-            tiles.load_k(sK + stage * KTile::ELEMS, j_pre);
+            tiles.load_k(sK + stage * KTile::ELEMS, j_pre, stage);
             tiles.load_v(sV + stage * VTile::ELEMS, j_pre);
             cp_async_commit();
             j0 = j_next;

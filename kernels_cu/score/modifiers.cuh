@@ -119,8 +119,9 @@ struct ScoreOp {
     }
 
     // The log2-domain value of score (i, j) from raw = q.k, before any mask: scale and
-    // softcap, then bias (read at row min(i, q_len - 1): rows past q_len are discarded, and
-    // must not read past the bias), then ALiBi.
+    // softcap, then bias (read from global memory at row min(i, q_len - 1): rows past q_len
+    // are discarded, and must not read past the bias), then ALiBi. The per-score form, for
+    // the backward's element passes; the forward's tiles take values() and staged operands.
     __device__ __forceinline__ Acc value(const Params& p, const HeadView& hv, Acc raw, int i, int j) const {
         Acc s;
         if constexpr ((M & kModSoftcap) != 0) {
@@ -133,12 +134,16 @@ struct ScoreOp {
         return s;
     }
 
+    // Does score (i, j) survive block_mask?
+    __device__ __forceinline__ bool block_unmasked(const Params& p, int i, int j) const {
+        return block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
+    }
+
     // Does score (i, j) survive mask and block_mask?
     __device__ __forceinline__ bool unmasked(const Params& p, int i, int j) const {
         bool keep = true;
         if constexpr ((M & kModMask) != 0) keep &= mask[i * p.mask_si + j * p.mask_sj];
-        if constexpr ((M & kModBlockMask) != 0)
-            keep &= block_mask[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
+        if constexpr ((M & kModBlockMask) != 0) keep &= block_unmasked(p, i, j);
         return keep;
     }
 
@@ -154,11 +159,12 @@ struct ScoreOp {
 
     // value() on a whole (16 MI, 8 NP) accumulator tile of S = Q K^T (mma/common.cuh's
     // layout: rows r0 + 8 x for x = 2 mi + (e >> 1), keys jt0 + 8 n + 2 t + (e & 1)), one
-    // pass per option present. The bias is read only at keys below j_end (keys past it are
-    // the tile's padding).
-    template <int MI, int NP>
-    __device__ __forceinline__ void values(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
-                                           int t, int j_end) const {
+    // pass per option present. The bias comes from the tile's staged operands `ops`
+    // (score/tiles.cuh's TileOperands, at the thread's first element), zero past the tile's
+    // keys and rows.
+    template <int MI, int NP, typename Ops>
+    __device__ __forceinline__ void values(const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0, int t,
+                                           const Ops& ops) const {
         if constexpr ((M & kModSoftcap) != 0) {
             const Acc log2e = static_cast<Acc>(kLog2e);
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * tanh_acc(x * scale * inv_softcap) * log2e; });
@@ -166,10 +172,18 @@ struct ScoreOp {
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x *= scale_log2; });
         }
         if constexpr ((M & kModBias) != 0) {
-            const int last_row = hv.q_len - 1;
-            each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
-                x += j < j_end ? bias_log2(p, min(i, last_row), j) : Acc(0);
-            });
+            const Acc log2e = static_cast<Acc>(kLog2e);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int n = 0; n < NP; ++n)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {  // rows r0 + 16 mi + 8 h, keys jt0 + 8 n + 2 t and the next
+                        Acc b0, b1;
+                        ops.bias_pair(16 * mi + 8 * h, 8 * n, b0, b1);
+                        s[mi][n][2 * h] += b0 * log2e;
+                        s[mi][n][2 * h + 1] += b1 * log2e;
+                    }
         }
         if constexpr ((M & kModAlibi) != 0) {  // s -= slope * |i + Lk - Lq - j|
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x -= slope_log2 * static_cast<Acc>(abs(i + hv.diagonal - j)); });
@@ -177,21 +191,39 @@ struct ScoreOp {
     }
 
     // values(), then, with `select`, -inf outside (q_len, j_end), outside the band where the
-    // tile crosses its edge (check_band), and wherever a mask says no. Masks are read only
-    // inside (q_len, j_end).
-    template <int MI, int NP>
+    // tile crosses its edge (check_band), and wherever a mask says no (the mask from `ops`,
+    // the block mask read only inside (q_len, j_end)).
+    template <int MI, int NP, typename Ops>
     __device__ __forceinline__ void tile(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
-                                         int t, int j_end, bool check_band, bool select) const {
-        values(p, hv, s, r0, jt0, t, j_end);
+                                         int t, int j_end, bool check_band, bool select, const Ops& ops) const {
+        values(hv, s, r0, jt0, t, ops);
         if (!select) return;
         auto inside = [&](int i, int j) { return (i < hv.q_len) & (j < j_end); };
         const Band in_band(p, hv);
-        if constexpr ((M & kModMasks) != 0) {
+        if constexpr ((M & kModMask) != 0) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int n = 0; n < NP; ++n)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {  // rows r0 + 16 mi + 8 h, keys jt0 + 8 n + 2 t and the next
+                        const unsigned kept = ops.mask_pair(16 * mi + 8 * h, 8 * n);
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            bool keep = ((kept >> c) & 1u) != 0;
+                            if constexpr ((M & kModBlockMask) != 0) {  // the block mask in the same pass
+                                const int i = r0 + 16 * mi + 8 * h, j = jt0 + 8 * n + 2 * t + c;
+                                keep = keep && inside(i, j) && block_unmasked(p, i, j);
+                            }
+                            s[mi][n][2 * h + c] = keep ? s[mi][n][2 * h + c] : neg_inf<Acc>();
+                        }
+                    }
+        } else if constexpr ((M & kModBlockMask) != 0) {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
-                const bool keep = inside(i, j) & (!check_band | in_band(i, j)) && unmasked(p, i, j);
-                x = keep ? x : neg_inf<Acc>();
+                x = inside(i, j) && block_unmasked(p, i, j) ? x : neg_inf<Acc>();
             });
-        } else if (check_band) {
+        }
+        if (check_band) {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x = inside(i, j) & in_band(i, j) ? x : neg_inf<Acc>(); });
         } else {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x = inside(i, j) ? x : neg_inf<Acc>(); });

@@ -14,9 +14,10 @@
 //                     (the tile is skipped otherwise); kMasks: no tile is a fast one (every
 //                     tile reads the masks); a tile without masks, whole and crossing no band
 //                     edge, needs no selection: values() and nothing else;
-//   forward transform masked_tile(s, ..., select): raw products -> log2-domain scores, and
-//                     with `select` -inf where the lengths, the band or a mask say no (every
-//                     tile but the fast ones);
+//   forward transform masked_tile(s, ..., select, ops): raw products -> log2-domain scores,
+//                     and with `select` -inf where the lengths, the band or a mask say no
+//                     (every tile but the fast ones), the bias and mask read from the tile's
+//                     operands staged in shared memory (score/tiles.cuh);
 //   per-score form    value(raw, i, j) (no selection) and operator()(raw, i, j, band) (the
 //                     backward's element pass);
 //   derivative        derivative(bp, ds, raw, i, j, owner): the bias gradient's accumulation
@@ -65,11 +66,12 @@ struct Scores {
     // computed to be discarded; PlainScores always select (their fast tiles take the
     // softmax's fused scale-and-max loop instead). SEQUENTIAL: PlainScores' band test in
     // TileBand's sequential form, for kernels without registers to spare.
-    template <bool SEQUENTIAL, int MI, int NP>
+    // The bias and mask come from the tile's staged operands `ops` (score/tiles.cuh).
+    template <bool SEQUENTIAL, int MI, int NP, typename Ops>
     __device__ __forceinline__ void masked_tile(Acc (&s)[MI][NP][4], int r0, int jt0, int t, int jt1,
-                                                bool crosses, bool select) const {
+                                                bool crosses, bool select, const Ops& ops) const {
         if constexpr (kFull) {
-            op.tile(p, hv, s, r0, jt0, t, jt1, crosses, select);
+            op.tile(p, hv, s, r0, jt0, t, jt1, crosses, select, ops);
         } else {
             const TileBand<SEQUENTIAL> kept(p, hv, crosses);
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
