@@ -1,4 +1,5 @@
-// Philox4x32-10 (Salmon et al. 2011; cuRAND's Philox4_32_10) and the dropout keep test.
+// Philox4x32-10 (Salmon et al. 2011; cuRAND's Philox4_32_10), the generator of the dropout keep
+// bits (Scores::keep4 and keep4_transposed, score/scores.cuh, take the keep test).
 //
 // The bits are the contract of docs/semantics.md#dropout-bits, shared with flashcupy/rng.py:
 //   key = (seed mod 2^32, seed >> 32), counter = (j >> 2, i, bh, offset),
@@ -31,17 +32,6 @@ __device__ __forceinline__ Philox4 philox4x32_10(u32 c0, u32 c1, u32 c2, u32 c3,
         k1 += W1;
     }
     return {c0, c1, c2, c3};
-}
-
-// Keep bits for columns (j0, j0 + 1) of row i; j0 must be even: one Philox call serves both,
-// since j0 >> 2 == (j0 + 1) >> 2 and their words are (j0 & 3) and (j0 & 3) + 1.
-__device__ __forceinline__ void dropout_keep_pair(u64 seed, u32 offset, u32 bh, u32 i,
-                                                  u32 j0, u32 threshold, bool& keep0, bool& keep1) {
-    const Philox4 r = philox4x32_10(j0 >> 2, i, bh, offset, static_cast<u32>(seed),
-                                    static_cast<u32>(seed >> 32));
-    const bool upper = (j0 & 2) != 0;
-    keep0 = (upper ? r.z : r.x) >= threshold;
-    keep1 = (upper ? r.w : r.y) >= threshold;
 }
 
 }  // namespace flash

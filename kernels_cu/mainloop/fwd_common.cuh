@@ -39,9 +39,9 @@ struct FwdBlock {
 };
 
 // The key tiles of a block: starts at multiples of BLOCK_N (keys before lo are masked by the
-// band test: dropout_keep_pair needs even columns, and 16-byte tile copies stay aligned),
-// skipping tiles the score modifiers rule out, and their copies into shared memory: K with
-// the tile's staged score operands (Staged, score/tiles.cuh), and V.
+// band test: Scores::keep4's lane pairs need tiles at multiples of 8, and 16-byte tile copies
+// stay aligned), skipping tiles the score modifiers rule out, and their copies into shared
+// memory: K with the tile's staged score operands (Staged, score/tiles.cuh), and V.
 template <typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc, typename Staged>
 struct KeyTiles {
     const Params& p;  // strides and head dims read where used: fewer registers held across the loop

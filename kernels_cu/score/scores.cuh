@@ -111,14 +111,25 @@ struct Scores {
     }
 
     // Bit e of the result: element e of a thread's accumulator quad, rows i and i + 8, keys j
-    // and j + 1 (j even), survives dropout.
+    // and j + 1 (j = a multiple of 8 plus 2 t, t = lane % 4), survives dropout. The lanes of a
+    // column pair t and t ^ 1 hold keys j and j + 1 of one group of four (j >> 2 alike), whose
+    // keep bits one Philox call gives per row: the even lane makes row i's call and the odd one
+    // row i + 8's, and each sends the other the two bits it needs in one shuffle, half of the
+    // Philox work of a call per row. Every lane of the warp calls it.
     __device__ __forceinline__ unsigned keep4(int i, int j) const {
         unsigned keep = 0xfu;
         if constexpr (kDropout) {
-            bool k0, k1, k2, k3;
-            dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, i, j, p.dropout_threshold, k0, k1);
-            dropout_keep_pair(p.seed, p.dropout_offset, hv.bh, i + 8, j, p.dropout_threshold, k2, k3);
-            keep = unsigned(k0) | unsigned(k1) << 1 | unsigned(k2) << 2 | unsigned(k3) << 3;
+            const unsigned odd = threadIdx.x & 1u;  // t & 1: keys j & 3 = 2 odd
+            const u32 th = p.dropout_threshold;
+            const Philox4 r = philox4x32_10(static_cast<u32>(j) >> 2, static_cast<u32>(i) + 8u * odd, hv.bh,
+                                            p.dropout_offset, static_cast<u32>(p.seed),
+                                            static_cast<u32>(p.seed >> 32));
+            // Bit k: key 4 (j >> 2) + k of this lane's row survives.
+            const unsigned bits = unsigned(r.x >= th) | unsigned(r.y >= th) << 1 | unsigned(r.z >= th) << 2
+                                  | unsigned(r.w >= th) << 3;
+            // The even lane needs row i + 8's keys 0, 1 from the odd one; the odd lane row i's keys 2, 3.
+            const unsigned got = __shfl_xor_sync(0xffffffffu, odd ? bits & 3u : bits >> 2, 1);
+            keep = odd ? got | (bits & 0xcu) : (bits & 3u) | got << 2;
         }
         return keep;
     }
