@@ -158,6 +158,76 @@ def test_hopper_tf32x3_packed_forward_equals_padded() -> None:
     assert np.array_equal(out, padded_to_packed(padded, ql))
 
 
+#: (dtype, head dim) reaching every forward mainloop that runs score options on compute
+#: capability 9.0: the overlapped wgmma one (64, 128), the serial one on wgmma (256) and on
+#: mma.sync (96, 512), 3xTF32 and DMMA.
+OPTION_PIPELINES = ((F16, 64), (BF16, 128), (F16, 256), (BF16, 96), (F16, 512), (F32, 64), (F64, 64))
+
+
+def _operand_on_device(x: np.ndarray, layout: str):
+    """A bias or mask on the device as a caller may hand it over: "contiguous"; "transposed"
+    (memory of the last two axes swapped, seen back as x: keys strided, rows contiguous);
+    "padded" (each row inside a row three elements longer: an odd row stride)."""
+    if layout == "transposed" and x.ndim >= 2:
+        return cupy.asarray(np.ascontiguousarray(np.swapaxes(x, -1, -2))).swapaxes(-1, -2)
+    if layout == "padded":
+        wide = np.zeros(x.shape[:-1] + (x.shape[-1] + 3,), x.dtype)
+        wide[..., : x.shape[-1]] = x
+        return cupy.asarray(wide)[..., : x.shape[-1]]
+    return cupy.asarray(x)
+
+
+@pytest.mark.parametrize("dtype, d", OPTION_PIPELINES)
+@given(data=st.data())
+@settings(max_examples=max(1, GPU_SETTINGS.max_examples // 6), deadline=None)  # a kernel per option set drawn
+def test_forward_score_operands_match_reference(dtype, d, data) -> None:
+    """Bias and mask tiles staged in shared memory with each key tile's K (score/tiles.cuh),
+    on every forward pipeline: every broadcast shape, aligned rows (16-byte copies) and not
+    (an odd Lk, strided keys, an odd row stride: element by element), several key tiles a
+    row block so that the stages alternate, masked rows and a whole masked tile, beside the
+    band, lengths, softcap and dropout."""
+    b, h = 2, 2
+    lq = data.draw(st.sampled_from([1, 63, 65, 130, 300]), label="lq")
+    lk = data.draw(st.sampled_from([1, 17, 64, 129, 257, 384]), label="lk")
+    rs = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="values"))
+    shapes = st.sampled_from([(lq, lk), (h, lq, lk), (b, 1, lq, lk), (b, 1, 1, lk), (lq, 1), (b, h, lq, lk)])
+    layouts = st.sampled_from(["contiguous", "transposed", "padded"])
+    options: dict = {}
+    if data.draw(st.booleans(), label="bias"):
+        options["bias"] = rs.standard_normal(data.draw(shapes)).astype(data.draw(st.sampled_from([dtype, F32])))
+    if data.draw(st.booleans(), label="mask") or not options:
+        mask = rs.random(data.draw(shapes)) < data.draw(st.sampled_from([0.9, 0.5]))
+        if mask.shape[-2] > 1:
+            mask[..., rs.integers(0, mask.shape[-2]), :] = False  # a fully masked row
+        mask[..., 64:128, 64:128] = False  # a whole masked tile amid live ones where rows and keys reach it
+        options["mask"] = mask
+    if data.draw(st.booleans(), label="band"):
+        options.update(data.draw(st.sampled_from([{"causal": True}, {"causal": "top_left"}, {"window": (40, 3)}])))
+    if data.draw(st.booleans(), label="lengths"):
+        options["q_lengths"], options["kv_lengths"] = np.array([lq, lq // 2]), np.array([lk // 3, lk])
+    if data.draw(st.booleans(), label="softcap"):
+        options["softcap"] = 5.0
+    if data.draw(st.booleans(), label="dropout"):
+        options["dropout_p"], options["seed"] = 0.3, data.draw(st.integers(0, 2**64 - 1), label="seed")
+    case = _case((b, h, lq, d), (b, h, lk, d), dtype=dtype, data_seed=1, **options)
+    device = {n: (_operand_on_device(x, data.draw(layouts, label=f"{n} layout")) if n in ("bias", "mask") else x)
+              for n, x in options.items()}
+    q, k, v = (cupy.asarray(x) for x in (case.q, case.k, case.v))
+    out, lse = fc.flash_attention(q, k, v, return_lse=True, backend="cuda", **device)
+    ref, naive = case.references(with_backward=False)
+    assert_rule("out", out.get(), ref["out"], naive["out"], dtype)
+    assert_rule("lse", lse.get(), ref["lse"], naive["lse"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
+def test_deterministic_backward_with_dropout_matches_reference(dtype) -> None:
+    """The query-major dQ kernel (deterministic=True) draws its dropout bits in lane pairs
+    (Scores::keep4), as the forward does."""
+    case = _case((2, 2, 130, 64), (2, 2, 257, 64), dtype=dtype, causal=True, dropout_p=0.3, seed=2**40 + 3,
+                 dropout_offset=9, bias=np.linspace(-1, 1, 130 * 257).reshape(130, 257).astype(np.float32))
+    _check_backward(case, deterministic=True)
+
+
 @GPU_SETTINGS
 @given(cases())
 def test_portable_path_matches_reference(case: Case) -> None:
