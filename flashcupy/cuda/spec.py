@@ -126,9 +126,9 @@ class ScoreSet:
 
 def score_tile_bytes(scores: ScoreSet, rows: int, cols: int) -> int:
     """Shared memory of one stage of a forward kernel's staged score operands
-    (kernels_cu/score/tiles.cuh's ScoreTiles::kStageBytes): the (rows, cols) bias tile in
-    its own dtype and the mask tile in bytes, rows padded by 16 bytes (the mask's keys first
-    rounded up to 16)."""
+    (kernels_cu/score/tiles.cuh's ScoreTiles::kStageBytes): the (rows, cols) = (block_m,
+    block_n) bias tile in its own dtype and the mask tile in bytes, rows padded by 16 bytes
+    (the mask's keys first rounded up to 16)."""
     size = 0
     if "bias" in scores.mods:
         item = np.dtype(scores.bias_dtype if scores.bias_dtype != "bfloat16" else "float16").itemsize
@@ -443,7 +443,7 @@ class ForwardRule:
     16-row groups per warp with PlainScores (options' registers leave room for one), a Dv
     chunk of at most ``dv_cap`` columns, and (BLOCK_N, NUM_WARPS) ``tiles`` (a tuple or a
     function of the call) in order of preference, with ``stages`` shared-memory stages of K
-    and V (0: two up to a padded head dim of 64, one above; wgmma: two wherever they fit)."""
+    and V (0: two up to a padded head dim of 64, one above; wgmma: always two)."""
 
     name: str
     when: Callable[[Call], bool]
@@ -459,12 +459,10 @@ class ForwardRule:
         dv_tile = min(call.hd, self.dv_cap)
         out = []
         for block_n, warps in self.tiles(call) if callable(self.tiles) else self.tiles:
-            stages = self.stages or (2 if call.hd <= 64 else 1)
+            # The wgmma mainloops take two stages (a candidate they do not fit is passed over).
+            stages = 2 if self.policy == "wgmma" else self.stages or (2 if call.hd <= 64 else 1)
             mi = 1 if call.full else self.mi_plain
-            spec = KernelSpec(call.dtype, self.policy, call.hd, dv_tile, block_n, warps, call.scores, stages, mi)
-            if self.policy == "wgmma" and dataclasses.replace(spec, stages=2).smem_bytes <= call.smem_limit:
-                spec = dataclasses.replace(spec, stages=2)
-            out.append(spec)
+            out.append(KernelSpec(call.dtype, self.policy, call.hd, dv_tile, block_n, warps, call.scores, stages, mi))
         return out
 
 
