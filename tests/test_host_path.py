@@ -315,17 +315,46 @@ def test_reused_parameter_blocks_give_the_results_of_fresh_ones(monkeypatch) -> 
                 assert np.array_equal(got.view(np.uint8), c.view(np.uint8)), f"{what}: result {n} differs bitwise"
 
 
+def test_score_operands_reach_the_kernels_with_contiguous_aligned_rows() -> None:
+    """Biases and masks whose keys are strided or broadcast, or whose rows are not 16-byte
+    aligned, are copied once (their distinct elements, rows padded) and broadcast back: the
+    forward's staged tiles then copy 16-byte chunks. Aligned ones pass untouched."""
+    rs = np.random.default_rng(0)
+    target = (2, 3, 5, 17)
+    operands = [
+        rs.standard_normal((5, 17)).astype(np.float16),  # odd key count: rows 34 bytes apart
+        np.ascontiguousarray(rs.standard_normal((17, 5)).astype(np.float32)).T,  # keys strided
+        rs.standard_normal((5, 1)),  # one value a row, broadcast over the keys
+        rs.random((2, 1, 1, 17)) < 0.5,  # key padding, one row a batch entry
+        rs.standard_normal((3, 5, 40)).astype(ml_dtypes.bfloat16)[..., 3:20],  # rows start unaligned
+    ]
+    for x in operands:
+        view = np.broadcast_to(x, target)
+        got = cuda._score_operand(view, np)
+        assert got.shape == target and got.dtype == x.dtype and np.array_equal(got, view)
+        assert got.strides[-1] == got.itemsize and cuda._address(got) % 16 == 0
+        assert all(s % 16 == 0 for n, s in zip(got.shape[:-1], got.strides[:-1]) if n > 1)
+        own = (1,) * (4 - x.ndim) + x.shape
+        assert all(s == 0 for s, a, b in zip(got.strides[:-1], own[:-1], target[:-1]) if a < b)  # no copy over them
+    aligned = np.zeros((5, 32), np.float16)
+    if cuda._address(aligned) % 16 == 0:
+        view = np.broadcast_to(aligned[:, :17], target)  # rows 64 bytes apart: aligned already
+        assert cuda._score_operand(view, np) is view
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("full", [False, True])
 def test_hopper_forward_takes_wgmma_only_where_it_compiles(dtype, full) -> None:
     """wgmma (sm_90a) only on compute capability 9.0, only at head dims of whole 64-column
-    slabs, and its tiles (swizzled, plus 1024 bytes of alignment slack) fit the GPU."""
+    slabs, and its tiles (swizzled, plus 1024 bytes of alignment slack, then the staged bias
+    and mask tiles of each stage) fit the GPU."""
     for d in (33, 64, 97, 120, 128, 129, 256):
         spec = S.select_forward(dtype, d, d, 90, S.ARCH_SMEM[90], scores=S.EVERY_OPTION if full else S.PLAIN)
         assert spec.policy == "wgmma" and spec.head_dim in S.WGMMA_HEAD_DIMS
         assert spec.num_warps % 4 == 0 and spec.block_n % 64 == 0 and spec.dv_tile % 64 == 0
         assert spec.smem_bytes == 1024 + 2 * (spec.block_m * spec.head_dim
-                                              + spec.stages * spec.block_n * (spec.head_dim + spec.dv_tile))
+                                              + spec.stages * spec.block_n * (spec.head_dim + spec.dv_tile)) \
+            + spec.stages * S.score_tile_bytes(spec.scores, spec.block_m, spec.block_n)
         assert spec.smem_bytes <= S.ARCH_SMEM[90]
         assert spec.name_expression.startswith("flash::flash_fwd<flash::FwdOverlap<" if spec.mainloop == "FwdOverlap"
                                                else "flash::flash_fwd<flash::FwdSerial<__")

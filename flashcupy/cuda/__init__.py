@@ -73,6 +73,32 @@ def _aligned_rows(x, xp):
     return padded
 
 
+def _address(x) -> int:
+    """The address of x's first element (a CuPy array, or a NumPy one in tests)."""
+    return x.__array_interface__["data"][0] if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def _score_operand(x, xp):
+    """A bias or mask view (broadcast by zero strides to the scores' shape) as the forward's
+    staged copies (kernels_cu/score/tiles.cuh) read it in 16-byte chunks: keys contiguous and
+    every row 16-byte aligned. ``x`` itself when it is; else one copy of its distinct
+    elements (broadcast axes kept at one, keys materialised where broadcast, rows zero-padded
+    to 16 bytes) broadcast back to x's shape. Odd key counts, transposed views and
+    odd row strides would otherwise be copied element by element into every tile."""
+    keys = x.shape[-1]
+    strides = x.strides
+    if x.size == 0 or (
+        (keys <= 1 or strides[-1] == x.itemsize) and _address(x) % 16 == 0
+        and all(s % 16 == 0 for n, s in zip(x.shape[:-1], strides[:-1]) if n > 1)
+    ):
+        return x
+    distinct = x[tuple(slice(0, 1) if s == 0 else slice(None) for s in strides[:-1])]
+    vec = 16 // x.itemsize
+    padded = xp.zeros(distinct.shape[:-1] + (-(-keys // vec) * vec,), dtype=x.dtype)
+    padded[..., :keys] = distinct
+    return xp.broadcast_to(padded[..., :keys], x.shape)
+
+
 def _empty(shape, dtype, xp):
     return xp.full(shape, np.nan, dtype=dtype) if poison_outputs else xp.empty(shape, dtype=dtype)
 
@@ -200,7 +226,7 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0) -> 
     for name, short in (("mask", "mask"), ("bias", "bias"), ("block_mask", "bm")):
         x = getattr(pb, name)
         if x is not None:
-            x = _merge_batch(x, pb.batch, xp)
+            x = _merge_batch(_score_operand(x, xp) if name != "block_mask" else x, pb.batch, xp)
             keep_alive.append(x)
             fields[name] = x.data.ptr
             for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(x)):

@@ -8,10 +8,11 @@
 // round trip on every tile and takes a register per score until it lands; staged, each score
 // costs a shared-memory read of its pair, and the copy moves whole 16-byte chunks.
 //
-// The host passes the bias and the mask as strided views; where a view's rows are 16-byte
-// aligned with contiguous keys (the usual (..., Lq, Lk) arrays, broadcast axes included) the
-// copy is cp.async in 16-byte chunks, partial chunks at the keys' end; otherwise (a transposed
-// or odd-strided view) each element is loaded and stored by the copying thread.
+// The host passes the bias and the mask as strided views with contiguous keys and 16-byte
+// aligned rows (broadcast axes by zero strides; flashcupy/cuda's _score_operand copies other
+// views once), and the copy is cp.async in 16-byte chunks, partial chunks at the keys' end.
+// Where that does not hold (one key a row, 8-key tiles of the mask) each element is loaded
+// and stored by the copying thread.
 #pragma once
 
 #include "../copy.cuh"
