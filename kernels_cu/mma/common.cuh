@@ -107,6 +107,20 @@ __device__ __forceinline__ void each_element(Acc (&s)[MI][NP][4], int r0, int jt
                 f(s[mi][n][e], more[mi][n][e]..., r0 + 16 * mi + 8 * (e >> 1), jt0 + 8 * n + 2 * t + (e & 1));
 }
 
+// f(x, y, dr, dc) on each pair of neighbouring elements of one or more (16 MI, 8 NP)
+// accumulator tiles: x and y are elements 2 h and 2 h + 1 of tile (mi, n), the thread's row
+// r0 + dr and keys jt0 + dc + 2 t and the next (dr = 16 mi + 8 h, dc = 8 n, both constants
+// once unrolled), for reads of pairs beside them.
+template <typename Acc, int MI, int NP, typename F>
+__device__ __forceinline__ void each_pair(Acc (&s)[MI][NP][4], F f) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int n = 0; n < NP; ++n)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) f(s[mi][n][2 * h], s[mi][n][2 * h + 1], 16 * mi + 8 * h, 8 * n);
+}
+
 // Whether a policy is 3xTF32 (MmaTf32<true, MI>, sm_80+): split fragments, the tightest registers.
 template <typename Policy> constexpr bool kSplitTf32 = false;
 

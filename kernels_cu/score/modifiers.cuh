@@ -173,17 +173,12 @@ struct ScoreOp {
         }
         if constexpr ((M & kModBias) != 0) {
             const Acc log2e = static_cast<Acc>(kLog2e);
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int n = 0; n < NP; ++n)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {  // rows r0 + 16 mi + 8 h, keys jt0 + 8 n + 2 t and the next
-                        Acc b0, b1;
-                        ops.bias_pair(16 * mi + 8 * h, 8 * n, b0, b1);
-                        s[mi][n][2 * h] += b0 * log2e;
-                        s[mi][n][2 * h + 1] += b1 * log2e;
-                    }
+            each_pair(s, [&](Acc& x, Acc& y, int dr, int dc) {
+                Acc b0, b1;
+                ops.bias_pair(dr, dc, b0, b1);
+                x += b0 * log2e;
+                y += b1 * log2e;
+            });
         }
         if constexpr ((M & kModAlibi) != 0) {  // s -= slope * |i + Lk - Lq - j|
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x -= slope_log2 * static_cast<Acc>(abs(i + hv.diagonal - j)); });
@@ -201,23 +196,19 @@ struct ScoreOp {
         auto inside = [&](int i, int j) { return (i < hv.q_len) & (j < j_end); };
         const Band in_band(p, hv);
         if constexpr ((M & kModMask) != 0) {
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int n = 0; n < NP; ++n)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {  // rows r0 + 16 mi + 8 h, keys jt0 + 8 n + 2 t and the next
-                        const unsigned kept = ops.mask_pair(16 * mi + 8 * h, 8 * n);
-#pragma unroll
-                        for (int c = 0; c < 2; ++c) {
-                            bool keep = ((kept >> c) & 1u) != 0;
-                            if constexpr ((M & kModBlockMask) != 0) {  // the block mask in the same pass
-                                const int i = r0 + 16 * mi + 8 * h, j = jt0 + 8 * n + 2 * t + c;
-                                keep = keep && inside(i, j) && block_unmasked(p, i, j);
-                            }
-                            s[mi][n][2 * h + c] = keep ? s[mi][n][2 * h + c] : neg_inf<Acc>();
-                        }
+            each_pair(s, [&](Acc& x, Acc& y, int dr, int dc) {
+                const unsigned kept = ops.mask_pair(dr, dc);
+                auto select = [&](Acc& v, int c) {  // element c of the pair
+                    bool keep = ((kept >> c) & 1u) != 0;
+                    if constexpr ((M & kModBlockMask) != 0) {  // the block mask in the same pass
+                        const int i = r0 + dr, j = jt0 + dc + 2 * t + c;
+                        keep = keep && inside(i, j) && block_unmasked(p, i, j);
                     }
+                    v = keep ? v : neg_inf<Acc>();
+                };
+                select(x, 0);
+                select(y, 1);
+            });
         } else if constexpr ((M & kModBlockMask) != 0) {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
                 x = inside(i, j) && block_unmasked(p, i, j) ? x : neg_inf<Acc>();
