@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     constexpr int BLOCK_M = Mainloop::kBlockM;
     constexpr int DV = Mainloop::kDv;
     constexpr int NO = DV / 8;             // accumulator tiles of O per warp
-    using Staged = ScoreTiles<ScoreSet, BLOCK_M, Mainloop::kBlockN, Mainloop::kStages>;
+    using Staged = ScoreTiles<ScoreSet, BLOCK_M, Mainloop::kBlockN, Mainloop::kStages, sizeof(T) == 8>;
     using Storage = StorageWith<typename Mainloop::SharedStorage, Staged::kBytes>;
     static_assert(SMEM_BYTES == smem_bytes<Mainloop::kSwizzled>(sizeof(Storage)),
                   "the host launches with the mainloop's shared memory and the staged score operands'");

@@ -198,18 +198,11 @@ struct ScoreOp {
         if constexpr ((M & kModMask) != 0) {
             each_pair(s, [&](Acc& x, Acc& y, int dr, int dc) {
                 const unsigned kept = ops.mask_pair(dr, dc);
-                auto select = [&](Acc& v, int c) {  // element c of the pair
-                    bool keep = ((kept >> c) & 1u) != 0;
-                    if constexpr ((M & kModBlockMask) != 0) {  // the block mask in the same pass
-                        const int i = r0 + dr, j = jt0 + dc + 2 * t + c;
-                        keep = keep && inside(i, j) && block_unmasked(p, i, j);
-                    }
-                    v = keep ? v : neg_inf<Acc>();
-                };
-                select(x, 0);
-                select(y, 1);
+                x = kept & 1u ? x : neg_inf<Acc>();
+                y = kept & 2u ? y : neg_inf<Acc>();
             });
-        } else if constexpr ((M & kModBlockMask) != 0) {
+        }
+        if constexpr ((M & kModBlockMask) != 0) {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
                 x = inside(i, j) && block_unmasked(p, i, j) ? x : neg_inf<Acc>();
             });

@@ -74,8 +74,10 @@ struct TileOperands {
 
 // The staged operands of option set Set for (ROWS, COLS) score tiles, STAGES stages (the key
 // tiles' stages). Each stage holds the bias tile (ROWS, LDB) then the mask tile (ROWS, LDM),
-// rows padded by 16 bytes so that a warp's 8 rows of pairs fall on distinct banks.
-template <typename Set, int ROWS, int COLS, int STAGES>
+// rows padded by 16 bytes so that a warp's 8 rows of pairs fall on distinct banks. ROLLED:
+// the element-by-element copy in a rolled loop, for kernels at the register limit (float64:
+// four loads in flight spill them), else four at a time.
+template <typename Set, int ROWS, int COLS, int STAGES, bool ROLLED>
 struct ScoreTiles {
     static constexpr bool kBias = (Set::kMods & kModBias) != 0;
     static constexpr bool kMask = (Set::kMods & kModMask) != 0;
@@ -155,7 +157,7 @@ struct ScoreTiles {
                 cp_async_16_partial(s + r * LD + c * VEC, bytes > 0 ? g + r * si + c * VEC : g, bytes);
             }
         } else {
-#pragma unroll 4
+#pragma unroll (ROLLED ? 1 : 4)
             for (int k = tid; k < ROWS * COLS; k += THREADS) {
                 const int r = k / COLS, c = k % COLS;
                 s[r * LD + c] = r < valid_rows && c < cols ? g[r * si + c * sj] : E(0);
