@@ -36,7 +36,8 @@ SOURCES: dict[str, list[str]] = {
         "nvidia-h100-80gb-hbm3-2026-11-22-float32.json",
         "nvidia-h100-80gb-hbm3-2026-11-22-float64.json",
     ],
-    "options": ["nvidia-h100-80gb-hbm3-2026-11-25-options.json", "nvidia-h100-80gb-hbm3-2026-11-25-options-philox.json"],
+    "options": ["nvidia-h100-80gb-hbm3-2026-11-25-options.json", "nvidia-h100-80gb-hbm3-2026-11-25-options-philox.json",
+                "nvidia-h100-80gb-hbm3-2026-11-28-options-staged.json"],
     "cpu": ["cpu-2026-11-27.json"],
 }
 
