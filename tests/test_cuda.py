@@ -29,6 +29,7 @@ from flashcupy.cuda.spec import (  # noqa: E402
     EVERY_OPTION,
     FORCE_PORTABLE_ENV,
     PLAIN,
+    ScoreSet,
     all_kernels,
     backward_key_block_major,
     select_backward,
@@ -401,6 +402,64 @@ def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
     b, hq, hk, lq, lk, d, dv = shape
     assert select_backward(np.dtype(dtype).name, d, dv, arch, smem).policy == "wgmma"
     _check_backward(_case((b, hq, lq, d), (b, hk, lk, d), dv=dv, dtype=dtype, **options))
+
+
+#: (dtype, head dim) of the wgmma backward's element passes with score options: two passes
+#: with the bias and mask read ahead of the products (64), two passes reading them in the
+#: first (128, at most two options), full_elements' one pass (softcap everywhere; 256 with a
+#: bias or dropout).
+HOPPER_OPTION_BACKWARDS = ((F16, 64), (BF16, 64), (F16, 128), (BF16, 256))
+
+
+@pytest.mark.parametrize("dtype, d", HOPPER_OPTION_BACKWARDS)
+@given(data=st.data())
+@settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)  # a kernel per option set drawn
+def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
+    """The wgmma dK/dV kernel with score options (OptionElements, full_elements): every option
+    alone and together as far as the rules keep them on it, partial query and key tiles, GQA,
+    fully masked rows and a masked tile, the band and lengths; dbias reduced over the
+    broadcast axes."""
+    arch, smem = _sm90_limits("wgmma kernels need")
+    b, hq, hk = 2, 2, 1
+    lq = data.draw(st.sampled_from([1, 65, 130, 300]), label="lq")
+    lk = data.draw(st.sampled_from([1, 63, 129, 257]), label="lk")
+    rs = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="values"))
+    shapes = st.sampled_from([(lq, lk), (hq, lq, lk), (b, 1, lq, lk), (b, 1, 1, lk), (b, hq, lq, lk)])
+    most = 6 if d <= 64 else 2  # spec.wgmma_backward_takes: above D = 64 at most two options,
+    names = data.draw(st.lists(st.sampled_from(["bias", "mask", "block_mask", "alibi", "softcap", "dropout"]),
+                               min_size=1, max_size=most, unique=True), label="options")
+    if d > 64 and "dropout" in names and not set(names) <= {"dropout", "bias"}:
+        names.remove("dropout")  # dropout alone or beside a bias
+    options: dict = {}
+    if "bias" in names:
+        options["bias"] = rs.standard_normal(data.draw(shapes)).astype(data.draw(st.sampled_from([dtype, F32])))
+    if "mask" in names:
+        mask = rs.random(data.draw(shapes)) < 0.8
+        if mask.shape[-2] > 1:
+            mask[..., rs.integers(0, mask.shape[-2]), :] = False  # a fully masked row
+        mask[..., 64:128, 64:128] = False  # a whole masked tile where rows and keys reach it
+        options["mask"] = mask
+    if "block_mask" in names:
+        options["block_size"] = data.draw(st.sampled_from([16, 64]), label="block_size")
+        blocks = (-(-lq // options["block_size"]), -(-lk // options["block_size"]))
+        options["block_mask"] = rs.random((hq,) + blocks) < 0.7
+    if "alibi" in names:
+        options["alibi_slopes"] = rs.uniform(0.05, 0.5, (b, hq)).astype(np.float32)
+    if "softcap" in names:
+        options["softcap"] = 5.0
+    if "dropout" in names:
+        options["dropout_p"], options["seed"] = 0.3, data.draw(st.integers(0, 2**64 - 1), label="seed")
+    if data.draw(st.booleans(), label="band"):
+        options.update(data.draw(st.sampled_from([{"causal": True}, {"causal": "top_left"}, {"window": (40, 3)}])))
+    if data.draw(st.booleans(), label="lengths"):
+        options["q_lengths"], options["kv_lengths"] = np.array([lq, lq // 2]), np.array([lk // 3, lk])
+    case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=dtype, **options)
+    bias = options.get("bias")
+    scores = ScoreSet.of(bias_dtype=None if bias is None else bias.dtype.name, mask="mask" in options,
+                         block_mask="block_mask" in options, alibi="alibi_slopes" in options,
+                         softcap="softcap" in options, dropout="dropout_p" in options)
+    assert select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=scores).policy == "wgmma"
+    _check_backward(case)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])

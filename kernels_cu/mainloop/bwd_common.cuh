@@ -397,6 +397,131 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
     }
 }
 
+// Whether a set's element pass splits in two (OptionElements): every option's derivative is
+// dS itself or a bias gradient taking dS, none needs the raw score once P has replaced it in
+// S^T's registers (softcap's chain rule does: its sets keep full_elements' one pass).
+template <typename Set> constexpr bool kTwoPassElements = Set::kFull && (Set::kMods & kModSoftcap) == 0;
+
+// The element pass of tiles with options in two passes, as BwdElements' for PlainScores: P^T
+// from S^T as soon as S^T has landed (while dP^T is still on the tensor cores), then dS^T from
+// P^T and dP^T. Each pass is inlined twice (by_tile): a fast tile (no mask present, whole,
+// inside the band) takes P = exp2(value(S) - lse2) and dS = P (dP z - D) with no selection;
+// elsewhere masked and padding scores get P = 0, and dS = 0 by selection on P (an overflowed
+// dP times P = 0 would be NaN). z = keep / (1 - p) of dropout; the bias gradient adds dS.
+// With PREFETCH, the tile's bias and mask elements are read into registers by prefetch()
+// while both products run (the first pass would otherwise wait on each read); without it
+// (kernels with no registers to hold them), the first pass reads them.
+template <typename Acc, typename Set, int BLOCK_R, int BLOCK_C, bool PREFETCH>
+struct OptionElements {
+    using Sc = Scores<Acc, Set>;
+    static_assert(kTwoPassElements<Set>, "softcap's derivative needs the raw score: full_elements");
+    static constexpr bool kBias = PREFETCH && (Set::kMods & kModBias) != 0;  // bias and mask in Operands
+    static constexpr bool kMask = PREFETCH && (Set::kMods & kModMask) != 0;
+    const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk;
+    const HeadView& hv;
+    const Sc& score;
+    const Band band;
+    const Acc* sLse;    // the tile's lse2, (BLOCK_C)
+    const Acc* sDelta;  // its D, (BLOCK_C)
+    int i0, i1, key_end, r0, t;
+
+    // A thread's elements of the tile's bias (times log2(e)) and mask (bit 4 n + e of word
+    // mi: element e of accumulator tile (mi, n), NT <= 8), 0 and masked outside the tile's
+    // rows and keys; arrays of one element where the set has no such option or no PREFETCH.
+    template <int MI, int NT>
+    struct Operands {
+        static_assert(NT <= 8, "a word of mask bits per row group of the tile");
+        Acc bias[kBias ? MI : 1][kBias ? NT : 1][4];
+        unsigned mask[kMask ? MI : 1];
+    };
+
+    __device__ __forceinline__ OptionElements(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk_, const HeadView& hv_,
+                                              const Sc& score_, const BwdQueryTile& tile, int r0_, int t_,
+                                              const Acc* sLse_, const Acc* sDelta_)
+        : blk(blk_), hv(hv_), score(score_), band(blk_.p, hv_), sLse(sLse_), sDelta(sDelta_), i0(tile.i0),
+          i1(tile.i1), key_end(blk_.j0 + blk_.keys_valid), r0(r0_), t(t_) {}
+
+    template <int MI, int NT>
+    __device__ __forceinline__ Operands<MI, NT> prefetch() const {
+        const Params& p = blk.p;
+        Operands<MI, NT> ops;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            if constexpr (kMask) ops.mask[mi] = 0;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = r0 + 16 * mi + 8 * (e >> 1), i = i0 + 8 * n + 2 * t + (e & 1);
+                    const bool inside = i < i1 && j < key_end;
+                    if constexpr (kBias) ops.bias[mi][n][e] = inside ? score.op.bias_log2(p, i, j) : Acc(0);
+                    if constexpr (kMask) {
+                        ops.mask[mi] |= unsigned(inside && score.op.mask[i * p.mask_si + j * p.mask_sj]) << (4 * n + e);
+                    }
+                }
+            }
+        }
+        return ops;
+    }
+
+    // S^T -> P^T = exp2(S^T - lse2) in place (rows keys j, columns queries i0 + c).
+    template <int MI, int NT>
+    __device__ __forceinline__ void probabilities(const bool FAST, Acc (&s_t)[MI][NT][4],
+                                                  const Operands<MI, NT>& ops) const {
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
+                    Acc& s = s_t[mi][n][e];
+                    if (FAST) {
+                        const Acc b = kBias ? ops.bias[mi][n][e] : score.op.bias_log2(blk.p, i, j);
+                        s = softmax_exp2(score.op.value_with(hv, s, i, j, b) - sLse[c]);
+                    } else if constexpr (PREFETCH) {
+                        bool kept = i < i1 && j < key_end && band(i, j);
+                        if constexpr (kMask) kept = kept && ((ops.mask[mi] >> (4 * n + e)) & 1u);
+                        if constexpr ((Set::kMods & kModBlockMask) != 0) {
+                            kept = kept && score.op.block_unmasked(blk.p, i, j);
+                        }
+                        const Acc x = score.op.value_with(hv, s, i, j, kBias ? ops.bias[mi][n][e] : Acc(0));
+                        s = kept ? softmax_exp2(x - sLse[c]) : Acc(0);
+                    } else {
+                        const Acc x = i < i1 && j < key_end ? score(s, i, j, band) : neg_inf<Acc>();  // -inf: masked
+                        s = x == neg_inf<Acc>() ? Acc(0) : softmax_exp2(x - sLse[c]);
+                    }
+                }
+            }
+        }
+    }
+
+    // P^T and dP^T -> P'^T = P^T z and dS^T = P^T (dP^T z - D) in place.
+    template <int MI, int NT>
+    __device__ __forceinline__ void gradients(const bool FAST, Acc dropout_scale, Acc (&s_t)[MI][NT][4],
+                                              Acc (&dp_t)[MI][NT][4]) const {
+        const bool owner = blk.chunk == 0;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const unsigned keep = score.keep4_transposed(r0 + 16 * mi, i0 + 8 * n + 2 * t);  // bit e: kept
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1);
+                    const Acc pe = s_t[mi][n][e];
+                    const Acc z = Sc::kDropout ? ((keep >> e) & 1u ? dropout_scale : Acc(0)) : Acc(1);
+                    Acc ds = pe * (dp_t[mi][n][e] * z - sDelta[c]);
+                    if (!FAST) ds = pe != Acc(0) ? ds : Acc(0);
+                    score.derivative(blk.bp, ds, Acc(0), i0 + c, j, owner);  // dbias += dS
+                    s_t[mi][n][e] = pe * z;
+                    dp_t[mi][n][e] = ds;
+                }
+            }
+        }
+    }
+};
+
 // dQ_tile (BLOCK_C, CH) = dS K for this block's keys, by the warp policies: dS^T (BLOCK_R,
 // BLOCK_C) is in sdS (row pitch LDS; every warp's share stored, the caller's barrier passed),
 // K (BLOCK_R, HD) in sK (row pitch LD; with LO, 3xTF32's pre-split lo halves LO elements on).

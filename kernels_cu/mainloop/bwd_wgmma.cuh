@@ -35,7 +35,14 @@ struct BwdWgmma {
 
     template <typename ScoreSet>
     static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {
-        constexpr bool FULL = ScoreSet::kFull;  // options: full_elements
+        constexpr bool FULL = ScoreSet::kFull;  // options: OptionElements, or full_elements
+        // Two element passes for options but softcap (kTwoPassElements); above D = 64 not with a
+        // bias or dropout, whose per-score loads and Philox calls in the first pass spill there.
+        // Bias and mask read ahead of the products (OptionElements' PREFETCH) at D <= 64 without a
+        // block mask: above, or beside the block mask's reads, the elements held spill.
+        constexpr bool TWO_PASS = kTwoPassElements<ScoreSet>
+                                  && (HD <= 64 || (ScoreSet::kMods & (kModBias | kModDropout)) == 0);
+        constexpr bool PREFETCH = HD <= 64 && (ScoreSet::kMods & kModBlockMask) == 0;
         constexpr int NT = BLOCK_C / 8, NC = CH / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
@@ -64,7 +71,17 @@ struct BwdWgmma {
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sK, sQt, s_t);    // S^T = K Q^T
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
             tile.classify(blk, hv, scores);
-            if constexpr (FULL) {
+            if constexpr (TWO_PASS) {
+                const OptionElements<Acc, ScoreSet, BLOCK_R, BLOCK_C, PREFETCH> el(
+                    blk, hv, scores, tile, r0, t, storage.lse(st), storage.delta(st));
+                const auto ops = el.template prefetch<1, NT>();  // bias and mask, while the products run
+                wgmma_wait<1>();  // S^T has landed; dP^T may still run
+                fence_regs(s_t[0]);
+                by_tile(tile.fast, [&](const bool FAST) { el.probabilities(FAST, s_t, ops); });
+                wgmma_wait<0>();
+                fence_regs(dp_t[0]);
+                by_tile(tile.fast, [&](const bool FAST) { el.gradients(FAST, dropout_scale, s_t, dp_t); });
+            } else if constexpr (FULL) {
                 // One element pass over S^T and dP^T together, once both have landed.
                 wgmma_wait<0>();
                 fence_regs(s_t[0]);

@@ -123,13 +123,19 @@ struct ScoreOp {
     // are discarded, and must not read past the bias), then ALiBi. The per-score form, for
     // the backward's element passes; the forward's tiles take values() and staged operands.
     __device__ __forceinline__ Acc value(const Params& p, const HeadView& hv, Acc raw, int i, int j) const {
+        return value_with(hv, raw, i, j, bias_log2(p, min(i, hv.q_len - 1), j));
+    }
+
+    // value() with the bias term b_log2 = bias[i, j] * log2(e) given (read ahead by the caller;
+    // ignored without a bias).
+    __device__ __forceinline__ Acc value_with(const HeadView& hv, Acc raw, int i, int j, Acc b_log2) const {
         Acc s;
         if constexpr ((M & kModSoftcap) != 0) {
             s = softcap * tanh_acc(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
         } else {
             s = raw * scale_log2;
         }
-        if constexpr ((M & kModBias) != 0) s += bias_log2(p, min(i, hv.q_len - 1), j);
+        if constexpr ((M & kModBias) != 0) s += b_log2;
         if constexpr ((M & kModAlibi) != 0) s -= slope_log2 * static_cast<Acc>(abs(i + hv.diagonal - j));
         return s;
     }
