@@ -264,9 +264,11 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
 template <typename Mainloop, typename ScoreSet, int SMEM_BYTES, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dkdv(const BwdParams bp) {
     static_assert(THREADS == Mainloop::kThreads, "the host launches the mainloop's threads");
-    static_assert(SMEM_BYTES == Mainloop::kSmemBytes, "the host launches with the mainloop's shared memory");
+    using Storage = StorageWith<typename Mainloop::SharedStorage, Mainloop::template Staged<ScoreSet>::kBytes>;
+    static_assert(SMEM_BYTES == smem_bytes<Mainloop::kSwizzled>(sizeof(Storage)),
+                  "the host launches with the mainloop's shared memory and the staged score operands'");
     extern __shared__ __align__(16) unsigned char smem[];
-    auto& storage = *reinterpret_cast<typename Mainloop::SharedStorage*>(tiles_base<Mainloop::kSwizzled>(smem));
+    auto& storage = *reinterpret_cast<Storage*>(tiles_base<Mainloop::kSwizzled>(smem));
     typename Mainloop::Block block(bp);
     Mainloop::template run<ScoreSet>(storage, block);
 }

@@ -125,10 +125,11 @@ class ScoreSet:
 
 
 def score_tile_bytes(scores: ScoreSet, rows: int, cols: int) -> int:
-    """Shared memory of one stage of a forward kernel's staged score operands
-    (kernels_cu/score/tiles.cuh's ScoreTiles::kStageBytes): the (rows, cols) = (block_m,
-    block_n) bias tile in its own dtype and the mask tile in bytes, rows padded by 16 bytes
-    (the mask's keys first rounded up to 16)."""
+    """Shared memory of one stage of a kernel's staged score operands
+    (kernels_cu/score/tiles.cuh's ScoreTiles::kStageBytes): the (rows, cols) bias tile in its
+    own dtype and the mask tile in bytes, rows padded by 16 bytes (the mask's keys first
+    rounded up to 16). The forward's tiles are (block_m, block_n), the wgmma backward's
+    (block_c, block_r)."""
     size = 0
     if "bias" in scores.mods:
         item = np.dtype(scores.bias_dtype if scores.bias_dtype != "bfloat16" else "float16").itemsize
@@ -345,17 +346,28 @@ class BackwardSpec:
         fused, dS^T (block_r, block_c) padded by 16 bytes per row, in T on the float16/bfloat16
         tensor cores and in the accumulator dtype otherwise; with two roles, P^T (block_r,
         block_c) in the accumulator dtype; ``presplit``: the K, V, Q and dO tiles twice (hi and
-        lo). wgmma: the tiles swizzled without padding (dS^T in T), and 1024 bytes of slack
-        to align them."""
+        lo). wgmma: the tiles swizzled without padding (dS^T in T), 1024 bytes of slack
+        to align them, and per stage the staged bias and mask tiles (``stages_scores``)."""
         stats = self.stages * 2 * self.block_c * self.acc_itemsize
         if self.policy == "wgmma":
             elems = (2 * self.block_r + 2 * self.stages * self.block_c) * self.head_dim + self.block_r * self.block_c
-            return elems * self.itemsize + stats + 1024
+            staged = self.stages * score_tile_bytes(self.scores, self.block_c, self.block_r) if self.stages_scores else 0
+            return elems * self.itemsize + stats + 1024 + staged
         pelem = self.itemsize if self.policy == "mma16" else self.acc_itemsize
         ds = self.block_r * (self.block_c * pelem + 16) if self.fused_dq else 0
         handoff = self.block_r * self.block_c * self.acc_itemsize if self.roles == 2 else 0
         tiles = (2 * self.block_r + 2 * self.stages * self.block_c) * self._row_bytes() * (2 if self.presplit else 1)
         return tiles + stats + ds + handoff
+
+    @property
+    def stages_scores(self) -> bool:
+        """Whether the dK/dV kernel copies each query tile's bias and mask windows into shared
+        memory with its Q (kernels_cu/mainloop/bwd_wgmma.cuh's Staged): wgmma at a padded head
+        dim of 64 with options but softcap (its two element passes), and not a bias, a mask and
+        dropout together (they spill); the rest read them per score."""
+        mods = set(self.scores.mods)
+        return (self.policy == "wgmma" and self.head_dim <= 64 and self.scores.full and "softcap" not in mods
+                and not {"bias", "mask", "dropout"} <= mods)
 
     @property
     def smem_bytes(self) -> int:

@@ -3,16 +3,19 @@
 // into P^T and dS^T (BwdElements: the plain tiles' selections; full_elements: any options),
 // dQ's fused tile (warp_dq, add_dq_tile) and the epilogue that stores dK and dV.
 //
-// A dK/dV mainloop is a type with Element, Acc, kThreads, kSwizzled, SharedStorage and
-// kSmemBytes, and run<ScoreSet>(storage, block): the block's dK and dV over every query tile
-// under the score option set ScoreSet (a ScoreMods), stored. Adding a pipeline is adding such
-// a type (one header) and the rule that picks it (flashcupy/cuda/spec.py).
+// A dK/dV mainloop is a type with Element, Acc, kThreads, kSwizzled, SharedStorage,
+// Staged<ScoreSet> (the score operands it stages in shared memory after SharedStorage under a
+// set: a ScoreTiles, score/tiles.cuh, or NoScoreTiles) and run<ScoreSet>(storage, block): the
+// block's dK and dV over every query tile under the score option set ScoreSet (a ScoreMods),
+// stored. Adding a pipeline is adding such a type (one header) and the rule that picks it
+// (flashcupy/cuda/spec.py).
 #pragma once
 
 #include "../bwd_params.cuh"
 #include "../mma/warp.cuh"
 #include "../mma/wgmma.cuh"
 #include "../score/scores.cuh"
+#include "../score/tiles.cuh"
 
 namespace flash {
 
@@ -219,26 +222,27 @@ struct BwdKeyBlock {
 
     // The walk over the block's query tiles, the skeleton every dK/dV mainloop shares. Each
     // tile (query head hq, rows from i0) is copied into a stage of the storage (QTile layout,
-    // THREADS threads); after_first() runs once the first tile's copies are issued; per tile,
+    // THREADS threads; with it the tile's score operands Staged, after the mainloop's tiles);
+    // after_first() runs once the first tile's copies are issued; per tile,
     // before_wait() runs before the block waits for the tile's copies (and for every warp to
     // be done with the other stage and with dS^T), the next tile's copies go to the other
     // stage (STAGES = 2), and body(hv, scores, tile, st, next_hq, next_i0) computes the tile
     // from stage st, with the query head's view, its score modifiers and its rows; with one
     // stage, the body copies the next tile (next_hq < group) into it where the stage is free.
-    template <typename Acc, typename Set, int STAGES, bool WARPGROUP, typename QTile, int THREADS, typename Storage,
-              typename AfterFirst, typename BeforeWait, typename Body>
+    template <typename Acc, typename Set, int STAGES, bool WARPGROUP, typename QTile, int THREADS,
+              typename Staged = NoScoreTiles, typename Storage, typename AfterFirst, typename BeforeWait, typename Body>
     __device__ __forceinline__ void walk(Storage& storage, AfterFirst after_first, BeforeWait before_wait,
                                          Body body) const {
         int hq = 0, i0 = i_first, st = 0;
         advance<Set>(hq, i0);
-        if (hq < group) load_queries<QTile, THREADS>(storage, hq, i0, 0);
+        if (hq < group) load_queries<QTile, THREADS, Staged>(storage, hq, i0, 0);
         after_first();
         while (hq < group) {
             int next_hq = hq, next_i0 = i0 + BLOCK_C;
             advance<Set>(next_hq, next_i0);
             before_wait();
             wait_tiles<0, WARPGROUP>();  // tile (hq, i0) has landed; every warp is done with the other stage and dS^T
-            if (STAGES == 2 && next_hq < group) load_queries<QTile, THREADS>(storage, next_hq, next_i0, st ^ 1);
+            if (STAGES == 2 && next_hq < group) load_queries<QTile, THREADS, Staged>(storage, next_hq, next_i0, st ^ 1);
             const HeadView hv = query_head(hq);
             const Scores<Acc, Set> scores(p, hv);
             BwdQueryTile tile(*this, i0);
@@ -288,8 +292,9 @@ struct BwdKeyBlock {
     }
 
     // Copies of query tile (hq, i0) into stage st of the storage: Q, dO, lse2 and D, zero
-    // beyond i_hi. One cp.async group.
-    template <typename QTile, int THREADS, typename Storage>
+    // beyond i_hi, and the tile's staged score operands (Staged) where the set has any. One
+    // cp.async group.
+    template <typename QTile, int THREADS, typename Staged = NoScoreTiles, typename Storage>
     __device__ __forceinline__ void load_queries(Storage& storage, int hq, int i0, int st) const {
         using T = typename QTile::Element;
         using Acc = typename Storage::Accumulator;
@@ -311,6 +316,7 @@ struct BwdKeyBlock {
             cp_async_elem(sLse + c, static_cast<const Acc*>(bp.lse2) + stat + (valid ? c : 0), valid);
             cp_async_elem(sDelta + c, static_cast<const Acc*>(bp.delta) + stat + (valid ? c : 0), valid);
         }
+        if constexpr (Staged::kAny) Staged(p, hv, storage.extra(), i0, rows).template load<THREADS>(p, st, j0, keys_valid);
         cp_async_commit();
     }
 
@@ -408,85 +414,57 @@ template <typename Set> constexpr bool kTwoPassElements = Set::kFull && (Set::kM
 // inside the band) takes P = exp2(value(S) - lse2) and dS = P (dP z - D) with no selection;
 // elsewhere masked and padding scores get P = 0, and dS = 0 by selection on P (an overflowed
 // dP times P = 0 would be NaN). z = keep / (1 - p) of dropout; the bias gradient adds dS.
-// With PREFETCH, the tile's bias and mask elements are read into registers by prefetch()
-// while both products run (the first pass would otherwise wait on each read); without it
-// (kernels with no registers to hold them), the first pass reads them.
-template <typename Acc, typename Set, int BLOCK_R, int BLOCK_C, bool PREFETCH>
+// Staged (a ScoreTiles of the set, or NoScoreTiles): the bias and mask come from the tile's
+// copies in shared memory (`ops`), else from global memory per score.
+template <typename Acc, typename Set, int BLOCK_R, int BLOCK_C, typename Staged>
 struct OptionElements {
     using Sc = Scores<Acc, Set>;
+    using Ops = TransposedOperands<typename Staged::B, Staged::LDB, Staged::LDM>;
     static_assert(kTwoPassElements<Set>, "softcap's derivative needs the raw score: full_elements");
-    static constexpr bool kBias = PREFETCH && (Set::kMods & kModBias) != 0;  // bias and mask in Operands
-    static constexpr bool kMask = PREFETCH && (Set::kMods & kModMask) != 0;
+    static_assert(!Staged::kAny || (Staged::kBias == ((Set::kMods & kModBias) != 0)
+                                    && Staged::kMask == ((Set::kMods & kModMask) != 0)),
+                  "the set's bias and mask staged, or neither");
     const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk;
     const HeadView& hv;
     const Sc& score;
     const Band band;
+    const Ops ops;      // the thread's view of the staged tile (query 2 t, key r0 - j0)
     const Acc* sLse;    // the tile's lse2, (BLOCK_C)
     const Acc* sDelta;  // its D, (BLOCK_C)
     int i0, i1, key_end, r0, t;
 
-    // A thread's elements of the tile's bias (times log2(e)) and mask (bit 4 n + e of word
-    // mi: element e of accumulator tile (mi, n), NT <= 8), 0 and masked outside the tile's
-    // rows and keys; arrays of one element where the set has no such option or no PREFETCH.
-    template <int MI, int NT>
-    struct Operands {
-        static_assert(NT <= 8, "a word of mask bits per row group of the tile");
-        Acc bias[kBias ? MI : 1][kBias ? NT : 1][4];
-        unsigned mask[kMask ? MI : 1];
-    };
-
     __device__ __forceinline__ OptionElements(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk_, const HeadView& hv_,
                                               const Sc& score_, const BwdQueryTile& tile, int r0_, int t_,
-                                              const Acc* sLse_, const Acc* sDelta_)
-        : blk(blk_), hv(hv_), score(score_), band(blk_.p, hv_), sLse(sLse_), sDelta(sDelta_), i0(tile.i0),
-          i1(tile.i1), key_end(blk_.j0 + blk_.keys_valid), r0(r0_), t(t_) {}
-
-    template <int MI, int NT>
-    __device__ __forceinline__ Operands<MI, NT> prefetch() const {
-        const Params& p = blk.p;
-        Operands<MI, NT> ops;
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-            if constexpr (kMask) ops.mask[mi] = 0;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = r0 + 16 * mi + 8 * (e >> 1), i = i0 + 8 * n + 2 * t + (e & 1);
-                    const bool inside = i < i1 && j < key_end;
-                    if constexpr (kBias) ops.bias[mi][n][e] = inside ? score.op.bias_log2(p, i, j) : Acc(0);
-                    if constexpr (kMask) {
-                        ops.mask[mi] |= unsigned(inside && score.op.mask[i * p.mask_si + j * p.mask_sj]) << (4 * n + e);
-                    }
-                }
-            }
-        }
-        return ops;
-    }
+                                              const Ops& ops_, const Acc* sLse_, const Acc* sDelta_)
+        : blk(blk_), hv(hv_), score(score_), band(blk_.p, hv_), ops(ops_), sLse(sLse_), sDelta(sDelta_),
+          i0(tile.i0), i1(tile.i1), key_end(blk_.j0 + blk_.keys_valid), r0(r0_), t(t_) {}
 
     // S^T -> P^T = exp2(S^T - lse2) in place (rows keys j, columns queries i0 + c).
     template <int MI, int NT>
-    __device__ __forceinline__ void probabilities(const bool FAST, Acc (&s_t)[MI][NT][4],
-                                                  const Operands<MI, NT>& ops) const {
+    __device__ __forceinline__ void probabilities(const bool FAST, Acc (&s_t)[MI][NT][4]) const {
+        const Acc log2e = static_cast<Acc>(kLog2e);
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
+                    const int dc = 8 * n + (e & 1), dj = 16 * mi + 8 * (e >> 1);  // from (2 t, r0)
+                    const int j = r0 + dj, c = 2 * t + dc, i = i0 + c;
                     Acc& s = s_t[mi][n][e];
-                    if (FAST) {
-                        const Acc b = kBias ? ops.bias[mi][n][e] : score.op.bias_log2(blk.p, i, j);
-                        s = softmax_exp2(score.op.value_with(hv, s, i, j, b) - sLse[c]);
-                    } else if constexpr (PREFETCH) {
-                        bool kept = i < i1 && j < key_end && band(i, j);
-                        if constexpr (kMask) kept = kept && ((ops.mask[mi] >> (4 * n + e)) & 1u);
+                    if constexpr (Staged::kAny) {
+                        Acc b = Acc(0);
+                        if constexpr (Staged::kBias) b = ops.template bias_at<Acc>(dc, dj) * log2e;
+                        // The staged mask is zero past the tile's rows and keys: it tests the lengths too.
+                        bool kept = FAST || ((Staged::kMask || (i < i1 && j < key_end)) && band(i, j));
+                        if constexpr (Staged::kMask) kept = kept && ops.kept_at(dc, dj);
                         if constexpr ((Set::kMods & kModBlockMask) != 0) {
                             kept = kept && score.op.block_unmasked(blk.p, i, j);
                         }
-                        const Acc x = score.op.value_with(hv, s, i, j, kBias ? ops.bias[mi][n][e] : Acc(0));
-                        s = kept ? softmax_exp2(x - sLse[c]) : Acc(0);
+                        const Acc x = score.op.value_with(hv, s, i, j, b) - sLse[c];
+                        s = kept ? softmax_exp2(x) : Acc(0);
+                    } else if (FAST) {
+                        s = softmax_exp2(score.value(s, i, j) - sLse[c]);
                     } else {
                         const Acc x = i < i1 && j < key_end ? score(s, i, j, band) : neg_inf<Acc>();  // -inf: masked
                         s = x == neg_inf<Acc>() ? Acc(0) : softmax_exp2(x - sLse[c]);

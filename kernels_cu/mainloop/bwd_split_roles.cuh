@@ -41,7 +41,7 @@ struct BwdSplitRoles {
     static constexpr int LO = PRESPLIT ? 2 * KTile::ELEMS + 2 * STAGES * QTile::ELEMS : 0;
     using SharedStorage = DkdvStorage<T, PElem, Acc, KTile::ELEMS, QTile::ELEMS, STAGES, LO, BLOCK_R * LDS, BLOCK_C,
                                       BLOCK_R * BLOCK_C>;
-    static constexpr int kSmemBytes = smem_bytes<kSwizzled>(sizeof(SharedStorage));
+    template <typename Set> using Staged = NoScoreTiles;  // bias and mask read per score
 
     template <typename ScoreSet>
     static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {

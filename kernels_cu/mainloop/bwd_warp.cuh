@@ -33,7 +33,7 @@ struct BwdWarp {
     // dS^T (BLOCK_R, BLOCK_C) for the fused dQ, rows padded to LDS
     static constexpr int DS_ELEMS = FUSED_DQ ? BLOCK_R * LDS : 0;
     using SharedStorage = DkdvStorage<T, PElem, Acc, KTile::ELEMS, QTile::ELEMS, STAGES, 0, DS_ELEMS, BLOCK_C, 0>;
-    static constexpr int kSmemBytes = smem_bytes<kSwizzled>(sizeof(SharedStorage));
+    template <typename Set> using Staged = NoScoreTiles;  // bias and mask read per score
 
     template <typename ScoreSet>
     static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {

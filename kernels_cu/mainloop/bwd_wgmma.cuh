@@ -31,18 +31,28 @@ struct BwdWgmma {
     using QTile = Sw128Tile<T, BLOCK_C, HD>;
     // dS^T (BLOCK_R, BLOCK_C), swizzled
     using SharedStorage = DkdvStorage<T, T, Acc, KTile::ELEMS, QTile::ELEMS, STAGES, 0, BLOCK_R * BLOCK_C, BLOCK_C, 0>;
-    static constexpr int kSmemBytes = smem_bytes<kSwizzled>(sizeof(SharedStorage));
 
-    template <typename ScoreSet>
-    static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {
+    // Two element passes (OptionElements) for options but softcap (kTwoPassElements); above
+    // D = 64 not with a bias or dropout, whose per-score loads and Philox calls in the first
+    // pass spill there.
+    template <typename Set>
+    static constexpr bool kTwoPass = kTwoPassElements<Set> && (HD <= 64 || (Set::kMods & (kModBias | kModDropout)) == 0);
+    // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q at D <= 64, but
+    // for a bias, a mask and dropout together (above D = 64 and beside those three the copy's
+    // addresses and the reads spill: the two passes read them per score from global memory).
+    // Copied element by element in a rolled loop where a view's rows are not aligned.
+    // flashcupy/cuda/spec.py's BackwardSpec.stages_scores mirrors this.
+    template <typename Set>
+    static constexpr bool kStages = kTwoPass<Set> && HD <= 64
+                                    && (Set::kMods & (kModBias | kModMask | kModDropout)) != (kModBias | kModMask | kModDropout);
+    template <typename Set>
+    using Staged = typename StagedOr<kStages<Set>, ScoreTiles<Set, BLOCK_C, BLOCK_R, STAGES, true>>::type;
+
+    template <typename ScoreSet, typename Storage>
+    static __device__ __forceinline__ void run(Storage& storage, Block& blk) {
         constexpr bool FULL = ScoreSet::kFull;  // options: OptionElements, or full_elements
-        // Two element passes for options but softcap (kTwoPassElements); above D = 64 not with a
-        // bias or dropout, whose per-score loads and Philox calls in the first pass spill there.
-        // Bias and mask read ahead of the products (OptionElements' PREFETCH) at D <= 64 without a
-        // block mask: above, or beside the block mask's reads, the elements held spill.
-        constexpr bool TWO_PASS = kTwoPassElements<ScoreSet>
-                                  && (HD <= 64 || (ScoreSet::kMods & (kModBias | kModDropout)) == 0);
-        constexpr bool PREFETCH = HD <= 64 && (ScoreSet::kMods & kModBlockMask) == 0;
+        constexpr bool TWO_PASS = kTwoPass<ScoreSet>;
+        using Tiles = Staged<ScoreSet>;
         constexpr int NT = BLOCK_C / 8, NC = CH / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
@@ -59,7 +69,7 @@ struct BwdWgmma {
 
         const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
         auto nothing = [] {};
-        blk.template walk<Acc, ScoreSet, STAGES, true, QTile, kThreads>(storage, nothing, nothing, [&](
+        blk.template walk<Acc, ScoreSet, STAGES, true, QTile, kThreads, Tiles>(storage, nothing, nothing, [&](
             const HeadView& hv, const Scores<Acc, ScoreSet>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
             const int i0 = tile.i0;
             const T* sQt = storage.q(st);
@@ -72,12 +82,12 @@ struct BwdWgmma {
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
             tile.classify(blk, hv, scores);
             if constexpr (TWO_PASS) {
-                const OptionElements<Acc, ScoreSet, BLOCK_R, BLOCK_C, PREFETCH> el(
-                    blk, hv, scores, tile, r0, t, storage.lse(st), storage.delta(st));
-                const auto ops = el.template prefetch<1, NT>();  // bias and mask, while the products run
+                const OptionElements<Acc, ScoreSet, BLOCK_R, BLOCK_C, Tiles> el(
+                    blk, hv, scores, tile, r0, t, Tiles::transposed(storage.extra(), st, t, r0 - blk.j0),
+                    storage.lse(st), storage.delta(st));
                 wgmma_wait<1>();  // S^T has landed; dP^T may still run
                 fence_regs(s_t[0]);
-                by_tile(tile.fast, [&](const bool FAST) { el.probabilities(FAST, s_t, ops); });
+                by_tile(tile.fast, [&](const bool FAST) { el.probabilities(FAST, s_t); });
                 wgmma_wait<0>();
                 fence_regs(dp_t[0]);
                 by_tile(tile.fast, [&](const bool FAST) { el.gradients(FAST, dropout_scale, s_t, dp_t); });
@@ -116,7 +126,7 @@ struct BwdWgmma {
             fence_proxy_async();
             __syncthreads();  // dS^T of every key of the block is in sdS (one stage: free for the next tile)
             if (STAGES == 1 && next_hq < blk.group)  // copied during dQ
-                blk.template load_queries<QTile, kThreads>(storage, next_hq, next_i0, 0);
+                blk.template load_queries<QTile, kThreads, Tiles>(storage, next_hq, next_i0, 0);
             // The dQ tile (BLOCK_C, CH): warpgroup w takes query block qb = w % QB (64 rows, the
             // qb-th slab of dS^T) and NQW columns from col0.
             constexpr int QB = BLOCK_C / 64, NQW = CH * QB / (WARPS / 4);

@@ -1,7 +1,8 @@
 // The score modifiers' operands in shared memory: for each key tile a forward block computes,
 // the (ROWS, COLS) windows of the bias and of the boolean mask that its scores read, copied
 // into the same stage as the tile's K and in the same cp.async group, so they land a whole
-// tile of compute before they are read.
+// tile of compute before they are read; likewise for each query tile a backward dK/dV block
+// visits, with its Q (rows queries, columns the block's keys, read transposed).
 //
 // Read from global memory per score, in the accumulator layout (8 rows of 4 column pairs a
 // warp instruction, two bytes a lane), a bias or mask load stalls the softmax for a global
@@ -52,6 +53,23 @@ __device__ __forceinline__ void load_pair(const B* p, Acc& a, Acc& b) {
     a = static_cast<Acc>(widen(two.x));
     b = static_cast<Acc>(widen(two.y));
 }
+
+// A thread's view of one staged score tile of the backward's transposed accumulators (S^T:
+// rows keys, columns queries): its first element (query 2 t, key g of its warp's 16 keys)
+// in the bias tile (row pitch LDB elements) and the mask tile (LDM bytes).
+template <typename B, int LDB, int LDM>
+struct TransposedOperands {
+    const B* bias;
+    const unsigned char* mask;
+
+    // The bias at (query 2 t + dc, key g + dj), widened.
+    template <typename Acc>
+    __device__ __forceinline__ Acc bias_at(int dc, int dj) const {
+        return static_cast<Acc>(widen(bias[dc * LDB + dj]));
+    }
+    // Does the mask keep (query 2 t + dc, key g + dj)?
+    __device__ __forceinline__ bool kept_at(int dc, int dj) const { return mask[dc * LDM + dj] != 0; }
+};
 
 // A thread's view of one staged score tile: its first element (row r0, key jt0 + 2 t of the
 // accumulator layout) in the bias tile (row pitch LDB elements) and the mask tile (LDM bytes).
@@ -124,6 +142,14 @@ struct ScoreTiles {
         return Operands{reinterpret_cast<const B*>(s) + row * LDB + 2 * t, s + kBiasBytes + row * LDM + 2 * t};
     }
 
+    // Stage `stage` of `smem` as the thread of the transposed layout whose first element is at
+    // query (row) 2 t and key `key` (counted from the tile's first) sees it.
+    static __device__ __forceinline__ TransposedOperands<B, LDB, LDM> transposed(const unsigned char* smem, int stage,
+                                                                                int t, int key) {
+        const unsigned char* s = smem + stage * kStageBytes;
+        return {reinterpret_cast<const B*>(s) + 2 * t * LDB + key, s + kBiasBytes + 2 * t * LDM + key};
+    }
+
     // Copies the operands of key tile j (keys [j, j + COLS), those from `keys` zero) into stage
     // `stage`, by THREADS threads; rows from valid_rows are zero. Nothing without operands.
     template <int THREADS>
@@ -165,5 +191,12 @@ struct ScoreTiles {
         }
     }
 };
+
+// No staged operands (kAny false, no bytes): the mainloops and option sets that stage none.
+using NoScoreTiles = ScoreTiles<PlainScores, 16, 16, 1, false>;
+
+// Tiles where STAGE, else NoScoreTiles.
+template <bool STAGE, typename Tiles> struct StagedOr { using type = NoScoreTiles; };
+template <typename Tiles> struct StagedOr<true, Tiles> { using type = Tiles; };
 
 }  // namespace flash
