@@ -362,12 +362,14 @@ class BackwardSpec:
     @property
     def stages_scores(self) -> bool:
         """Whether the dK/dV kernel copies each query tile's bias and mask windows into shared
-        memory with its Q (kernels_cu/mainloop/bwd_wgmma.cuh's Staged): wgmma at a padded head
-        dim of 64 with options but softcap (its two element passes), and not a bias, a mask and
-        dropout together (they spill); the rest read them per score."""
+        memory with its Q (kernels_cu/mainloop/bwd_wgmma.cuh's Staged): wgmma with options but
+        softcap at a padded head dim of 64, and of 128 without a bias or dropout (its two element
+        passes), and not a bias, a mask and dropout together (they spill); the rest read them
+        per score."""
         mods = set(self.scores.mods)
-        return (self.policy == "wgmma" and self.head_dim <= 64 and self.scores.full and "softcap" not in mods
-                and not {"bias", "mask", "dropout"} <= mods)
+        two_pass = self.head_dim <= 64 or not mods & {"bias", "dropout"}
+        return (self.policy == "wgmma" and self.head_dim <= 128 and self.scores.full and "softcap" not in mods
+                and two_pass and not {"bias", "mask", "dropout"} <= mods)
 
     @property
     def smem_bytes(self) -> int:

@@ -37,13 +37,14 @@ struct BwdWgmma {
     // pass spill there.
     template <typename Set>
     static constexpr bool kTwoPass = kTwoPassElements<Set> && (HD <= 64 || (Set::kMods & (kModBias | kModDropout)) == 0);
-    // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q at D <= 64, but
-    // for a bias, a mask and dropout together (above D = 64 and beside those three the copy's
-    // addresses and the reads spill: the two passes read them per score from global memory).
-    // Copied element by element in a rolled loop where a view's rows are not aligned.
-    // flashcupy/cuda/spec.py's BackwardSpec.stages_scores mirrors this.
+    // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q by the two-pass
+    // sets at D <= 128 (at D = 128 those hold no bias), but for a bias, a mask and dropout
+    // together (beside those three, and at D = 256, the copy's addresses and the reads spill:
+    // the two passes read them per score from global memory). Copied element by element in a
+    // rolled loop where a view's rows are not aligned. flashcupy/cuda/spec.py's
+    // BackwardSpec.stages_scores mirrors this.
     template <typename Set>
-    static constexpr bool kStages = kTwoPass<Set> && HD <= 64
+    static constexpr bool kStages = kTwoPass<Set> && HD <= 128
                                     && (Set::kMods & (kModBias | kModMask | kModDropout)) != (kModBias | kModMask | kModDropout);
     template <typename Set>
     using Staged = typename StagedOr<kStages<Set>, ScoreTiles<Set, BLOCK_C, BLOCK_R, STAGES, true>>::type;
