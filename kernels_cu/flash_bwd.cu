@@ -9,7 +9,8 @@
 //                    dK += dS^T Q. The query heads of a GQA group are looped inside the block,
 //                    and dbias (dS before softcap's chain rule) is added here. Its entry
 //                    composes a mainloop (mainloop/bwd_*.cuh), which may also add dQ's share
-//                    of the block into an accumulator (fused dQ), and the score modifiers.
+//                    of the block into an accumulator (fused dQ), the score modifiers and the
+//                    bias and mask tiles the mainloop stages after its storage (Staged).
 //   flash_bwd_dq_convert  dQ from that accumulator, where it is not dQ itself.
 // No atomics touch dQ, dK or dV without a fused dQ, so they are bitwise repeatable; dbias
 // uses atomics (into a buffer with one element per score when the caller asks for

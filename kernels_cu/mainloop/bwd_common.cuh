@@ -1,7 +1,8 @@
 // What the backward's key-major mainloops (the dK/dV kernel, flash_bwd.cu) share: the block's
-// keys and the query tiles it visits (BwdKeyBlock), the element pass that turns S^T and dP^T
-// into P^T and dS^T (BwdElements: the plain tiles' selections; full_elements: any options),
-// dQ's fused tile (warp_dq, add_dq_tile) and the epilogue that stores dK and dV.
+// keys and the query tiles it visits (BwdKeyBlock), the element passes that turn S^T and dP^T
+// into P^T and dS^T (BwdElements: the plain tiles' selections; OptionElements: options in two
+// passes; full_elements: any options in one), dQ's fused tile (warp_dq, add_dq_tile) and the
+// epilogue that stores dK and dV.
 //
 // A dK/dV mainloop is a type with Element, Acc, kThreads, kSwizzled, SharedStorage,
 // Staged<ScoreSet> (the score operands it stages in shared memory after SharedStorage under a
@@ -358,8 +359,10 @@ struct BwdElements {
     }
 };
 
-// The element pass of tiles with options (a ScoreMods other than PlainScores), one pass and
-// one copy (a second spills beside it): P'^T = P^T z into s_t and dS^T into dp_t, with z =
+// The element pass of tiles with options (a ScoreMods other than PlainScores) in the warp
+// mainloops, and in the wgmma one where OptionElements does not apply (softcap) or spills
+// (BwdWgmma::kTwoPass), once both products have landed: one pass and one copy (a second
+// spills beside it): P'^T = P^T z into s_t and dS^T into dp_t, with z =
 // keep / (1 - p) of dropout (dropout_scale = 1 / (1 - p)), and dS through the modifiers'
 // derivative (dbias += dS, added by the block's first gradient chunk alone; softcap's chain
 // rule). A fast tile (no mask present, whole, inside the band) selects nothing: P =
