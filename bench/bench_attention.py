@@ -336,6 +336,24 @@ def add_run_arguments(parser: argparse.ArgumentParser, suite: str) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
 
 
+def suite_document(suite: str, args: argparse.Namespace, argv: Sequence[str] | None) -> tuple[Path, dict[str, Any]]:
+    """For a suite script, on the GPU torch uses (CuPy set to it, float32 products in full
+    precision): the JSON path (``args.out``, else bench/results/<gpu>-<date>-<suite>.json) and
+    the run's document, its header filled and no rows, skipped entries or failures yet."""
+    import cupy
+    import torch
+
+    torch.set_float32_matmul_precision("highest")
+    cupy.cuda.Device(torch.cuda.current_device()).use()
+    gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    out = args.out or RESULTS_DIR / f"{gpu_slug(gpu)}-{date}-{suite}.json"
+    doc = {"gpu": gpu, "date": date, "commit": args.commit or git_commit(), "cupy": cupy.__version__,
+           "torch": torch.__version__, "suite": suite, "argv": sys.argv[1:] if argv is None else list(argv),
+           "rows": [], "skipped": [], "failures": []}
+    return out, doc
+
+
 def default_out_path(gpu: str, date: str) -> Path:
     """bench/results/<gpu slug>-<date>.json."""
     return RESULTS_DIR / f"{gpu_slug(gpu)}-{date}.json"

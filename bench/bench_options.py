@@ -53,7 +53,6 @@ plain time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import statistics
@@ -63,8 +62,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench_attention import (
-    RESULTS_DIR, SDPA_BACKENDS, TOLERANCE, Config, add_run_arguments, attempt, git_commit, gpu_slug, release_memory,
-    time_calls, torch_stream_for_cupy,
+    SDPA_BACKENDS, TOLERANCE, Config, add_run_arguments, attempt, release_memory, suite_document, time_calls,
+    torch_stream_for_cupy,
 )
 
 OPTIONS = ("plain", "bias", "mask", "alibi", "softcap", "dropout", "window", "sinks", "bias+mask+dropout")
@@ -417,17 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 systems = [s for s in args.systems if runs(s, option, config.dtype)]
                 print(f"{config.label:48s} {option:18s} {' '.join(systems)}")
         return 0
-    import cupy
-    import torch
-
-    torch.set_float32_matmul_precision("highest")
-    cupy.cuda.Device(torch.cuda.current_device()).use()
-    gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    out = args.out or RESULTS_DIR / f"{gpu_slug(gpu)}-{date}-options.json"
-    doc: dict[str, Any] = {"gpu": gpu, "date": date, "commit": args.commit or git_commit(), "cupy": cupy.__version__,
-                           "torch": torch.__version__, "suite": "options", "argv": sys.argv[1:] if argv is None
-                           else list(argv), "rows": [], "skipped": [], "failures": []}
+    out, doc = suite_document("options", args, argv)
     with torch_stream_for_cupy():
         for config in configs:
             bench_config(config, args, doc)

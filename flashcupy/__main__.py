@@ -571,8 +571,8 @@ def precompile_command(args: argparse.Namespace) -> int:
 
 BENCH_SCRIPT = Path("bench") / "bench_attention.py"
 #: The scripts of the suites bench_attention.py does not run: bench ... --suite NAME.
-SUITE_SCRIPTS = {"cpu": Path("bench") / "bench_cpu.py", "options": Path("bench") / "bench_options.py",
-                 "overhead": Path("bench") / "bench_overhead.py"}
+SUITE_SCRIPTS = {"cpu": Path("bench") / "bench_cpu.py", "decode": Path("bench") / "bench_decode.py",
+                 "options": Path("bench") / "bench_options.py", "overhead": Path("bench") / "bench_overhead.py"}
 
 
 def find_bench_script(roots: Sequence[Path] | None = None, relative: Path = BENCH_SCRIPT) -> Path | None:
@@ -599,8 +599,8 @@ To run the benchmarks, clone the flashcupy repository and, from its root:
 
 
 def bench(argv: Sequence[str], script: Path | None = None) -> int:
-    """Run the benchmark script with ``argv`` (the suite's own for ``--suite cpu`` or ``--suite
-    options``, SUITE_SCRIPTS); its exit status, or 2 when it is missing."""
+    """Run the benchmark script with ``argv`` (the suite's own for ``--suite`` cpu, decode,
+    options or overhead: SUITE_SCRIPTS); its exit status, or 2 when it is missing."""
     suites = [b for a, b in zip(argv, argv[1:]) if a == "--suite"] + [a[8:] for a in argv if a.startswith("--suite=")]
     relative = SUITE_SCRIPTS.get(suites[-1], BENCH_SCRIPT) if suites else BENCH_SCRIPT
     if script is None:

@@ -40,6 +40,7 @@ def bench_script(name: str) -> Any:
 
     found = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(found)
+    sys.modules[name] = module  # where dataclasses look a class's module up
     found.loader.exec_module(module)
     return module
 
