@@ -431,8 +431,8 @@ def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
     if d > 64 and "dropout" in names and not set(names) <= {"dropout", "bias"}:
         names.remove("dropout")  # dropout alone or beside a bias
     options: dict = {}
-    if "bias" in names:
-        options["bias"] = rs.standard_normal(data.draw(shapes)).astype(data.draw(st.sampled_from([dtype, F32])))
+    if "bias" in names:  # a float64 bias with a mask at D = 64: staged in one stage (two do not fit)
+        options["bias"] = rs.standard_normal(data.draw(shapes)).astype(data.draw(st.sampled_from([dtype, F32, F64])))
     if "mask" in names:
         mask = rs.random(data.draw(shapes)) < 0.8
         if mask.shape[-2] > 1:

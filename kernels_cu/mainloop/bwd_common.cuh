@@ -446,6 +446,10 @@ struct OptionElements {
     template <int MI, int NT>
     __device__ __forceinline__ void probabilities(const bool FAST, Acc (&s_t)[MI][NT][4]) const {
         const Acc log2e = static_cast<Acc>(kLog2e);
+        // ALiBi's offset at (i0 + 2 t, r0), converted once (ScoreOp::value_at); beside a staged
+        // mask, at the register limit, each score converts its own (d0 spills there).
+        constexpr bool kOneConversion = !Staged::kMask;
+        const Acc d0 = ScoreOp<Acc, Set>::alibi_base(hv, i0 + 2 * t, r0);
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
@@ -454,6 +458,8 @@ struct OptionElements {
                 for (int e = 0; e < 4; ++e) {
                     const int dc = 8 * n + (e & 1), dj = 16 * mi + 8 * (e >> 1);  // from (2 t, r0)
                     const int j = r0 + dj, c = 2 * t + dc, i = i0 + c;
+                    const Acc d = kOneConversion ? d0 + static_cast<Acc>(dc - dj)   // ALiBi's i + Lk - Lq - j
+                                                 : ScoreOp<Acc, Set>::alibi_base(hv, i, j);
                     Acc& s = s_t[mi][n][e];
                     if constexpr (Staged::kAny) {
                         Acc b = Acc(0);
@@ -462,12 +468,14 @@ struct OptionElements {
                         bool kept = FAST || ((Staged::kMask || (i < i1 && j < key_end)) && band(i, j));
                         if constexpr (Staged::kMask) kept = kept && ops.kept_at(dc, dj);
                         if constexpr ((Set::kMods & kModBlockMask) != 0) {
+                            // Read only where kept (&&): rows past the tile's may lie past the block mask's.
                             kept = kept && score.op.block_unmasked(blk.p, i, j);
                         }
-                        const Acc x = score.op.value_with(hv, s, i, j, b) - sLse[c];
+                        const Acc x = score.op.value_at(s, b, d) - sLse[c];
                         s = kept ? softmax_exp2(x) : Acc(0);
                     } else if (FAST) {
-                        s = softmax_exp2(score.value(s, i, j) - sLse[c]);
+                        const Acc b = score.op.bias_log2(blk.p, min(i, hv.q_len - 1), j);  // 0 without a bias
+                        s = softmax_exp2(score.op.value_at(s, b, d) - sLse[c]);
                     } else {
                         const Acc x = i < i1 && j < key_end ? score(s, i, j, band) : neg_inf<Acc>();  // -inf: masked
                         s = x == neg_inf<Acc>() ? Acc(0) : softmax_exp2(x - sLse[c]);

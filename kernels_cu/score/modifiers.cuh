@@ -129,6 +129,14 @@ struct ScoreOp {
     // value() with the bias term b_log2 = bias[i, j] * log2(e) given (read ahead by the caller;
     // ignored without a bias).
     __device__ __forceinline__ Acc value_with(const HeadView& hv, Acc raw, int i, int j, Acc b_log2) const {
+        return value_at(raw, b_log2, static_cast<Acc>(i + hv.diagonal - j));
+    }
+
+    // value() from raw, the bias term b_log2 and ALiBi's offset d = i + Lk - Lq - j as a float.
+    // A tile's callers form d as one converted base plus the element's compile-time offset
+    // (alibi_base): an integer conversion runs at a sixteenth of the float rate, as exp2 does,
+    // and one a score doubled the forward's special-function work. Exact while |d| < 2^24.
+    __device__ __forceinline__ Acc value_at(Acc raw, Acc b_log2, Acc d) const {
         Acc s;
         if constexpr ((M & kModSoftcap) != 0) {
             s = softcap * tanh_acc(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
@@ -136,8 +144,14 @@ struct ScoreOp {
             s = raw * scale_log2;
         }
         if constexpr ((M & kModBias) != 0) s += b_log2;
-        if constexpr ((M & kModAlibi) != 0) s -= slope_log2 * static_cast<Acc>(abs(i + hv.diagonal - j));
+        if constexpr ((M & kModAlibi) != 0) s -= slope_log2 * fabs(d);
         return s;
+    }
+
+    // ALiBi's offset i + Lk - Lq - j at row i and key j, converted once: the base the elements
+    // of a tile add their compile-time offsets to (value_at).
+    static __device__ __forceinline__ Acc alibi_base(const HeadView& hv, int i, int j) {
+        return static_cast<Acc>(i + hv.diagonal - j);
     }
 
     // Does score (i, j) survive block_mask?
@@ -186,8 +200,13 @@ struct ScoreOp {
                 y += b1 * log2e;
             });
         }
-        if constexpr ((M & kModAlibi) != 0) {  // s -= slope * |i + Lk - Lq - j|
-            each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) { x -= slope_log2 * static_cast<Acc>(abs(i + hv.diagonal - j)); });
+        if constexpr ((M & kModAlibi) != 0) {  // s -= slope * |i + Lk - Lq - j|, from one conversion (value_at)
+            const Acc d0 = alibi_base(hv, r0, jt0 + 2 * t);
+            each_pair(s, [&](Acc& x, Acc& y, int dr, int dc) {
+                const Acc d = d0 + static_cast<Acc>(dr - dc);  // (row r0 + dr, key jt0 + 2 t + dc)
+                x -= slope_log2 * fabs(d);
+                y -= slope_log2 * fabs(d - Acc(1));  // the next key
+            });
         }
     }
 

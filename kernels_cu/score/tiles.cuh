@@ -146,6 +146,7 @@ struct ScoreTiles {
     // query (row) 2 t and key `key` (counted from the tile's first) sees it.
     static __device__ __forceinline__ TransposedOperands<B, LDB, LDM> transposed(const unsigned char* smem, int stage,
                                                                                 int t, int key) {
+        if constexpr (!kAny) return {nullptr, nullptr};  // nothing staged: no stage to point into
         const unsigned char* s = smem + stage * kStageBytes;
         return {reinterpret_cast<const B*>(s) + 2 * t * LDB + key, s + kBiasBytes + 2 * t * LDM + key};
     }
