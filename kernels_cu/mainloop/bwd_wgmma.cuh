@@ -32,11 +32,12 @@ struct BwdWgmma {
     // dS^T (BLOCK_R, BLOCK_C), swizzled
     using SharedStorage = DkdvStorage<T, T, Acc, KTile::ELEMS, QTile::ELEMS, STAGES, 0, BLOCK_R * BLOCK_C, BLOCK_C, 0>;
 
-    // Two element passes (OptionElements) for options but softcap (kTwoPassElements); above
-    // D = 64 not with a bias or dropout, whose per-score loads and Philox calls in the first
-    // pass spill there.
+    // Two element passes (OptionElements) for options but softcap (kTwoPassElements); beside
+    // gradient chunks wider than 64 columns not with a bias or dropout, whose per-score loads
+    // and Philox calls in the first pass spill there (the host gives a bias at D = 128 two
+    // 64-column chunks instead).
     template <typename Set>
-    static constexpr bool kTwoPass = kTwoPassElements<Set> && (HD <= 64 || (Set::kMods & (kModBias | kModDropout)) == 0);
+    static constexpr bool kTwoPass = kTwoPassElements<Set> && (CH <= 64 || (Set::kMods & (kModBias | kModDropout)) == 0);
     // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q by the two-pass
     // sets at D <= 128 (at D = 128 those hold no bias), but for a bias, a mask and dropout
     // together (beside those three, and at D = 256, the copy's addresses and the reads spill:
