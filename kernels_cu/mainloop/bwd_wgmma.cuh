@@ -39,7 +39,7 @@ struct BwdWgmma {
     template <typename Set>
     static constexpr bool kTwoPass = kTwoPassElements<Set> && (CH <= 64 || (Set::kMods & (kModBias | kModDropout)) == 0);
     // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q by the two-pass
-    // sets at D <= 128 (at D = 128 those hold no bias), but for a bias, a mask and dropout
+    // sets at D <= 128 (a bias there in 64-column chunks), but for a bias, a mask and dropout
     // together (beside those three, and at D = 256, the copy's addresses and the reads spill:
     // the two passes read them per score from global memory). Copied element by element in a
     // rolled loop where a view's rows are not aligned. flashcupy/cuda/spec.py's
