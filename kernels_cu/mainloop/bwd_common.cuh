@@ -416,7 +416,9 @@ template <typename Set> constexpr bool kTwoPassElements = Set::kFull && (Set::kM
 // P^T and dP^T. Each pass is inlined twice (by_tile): a fast tile (no mask present, whole,
 // inside the band) takes P = exp2(value(S) - lse2) and dS = P (dP z - D) with no selection;
 // elsewhere masked and padding scores get P = 0, and dS = 0 by selection on P (an overflowed
-// dP times P = 0 would be NaN). z = keep / (1 - p) of dropout; the bias gradient adds dS.
+// dP times P = 0 would be NaN; a kept score whose P underflows to 0 gets dS = 0 too, where the
+// one-pass form would carry an inf or NaN dP into it). z = keep / (1 - p) of dropout; the bias
+// gradient adds dS.
 // Staged (a ScoreTiles of the set, or NoScoreTiles): the bias and mask come from the tile's
 // copies in shared memory (`ops`), else from global memory per score.
 template <typename Acc, typename Set, int BLOCK_R, int BLOCK_C, typename Staged>
