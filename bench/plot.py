@@ -169,7 +169,8 @@ def plot(document: dict[str, Any], path: Path) -> Path:
         raise ValueError(f"{path}: no rows or peak-memory entries to plot")
     cols = min(PANEL_COLUMNS, max(len(panels) for panels in groups))
     grid_rows = sum(math.ceil(len(panels) / cols) for panels in groups)
-    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.2 * cols, 3.4 * grid_rows), squeeze=False)
+    # 3.4 inches a row of panels, and an inch for the title and the legend
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.2 * cols, 3.4 * grid_rows + 1.0), squeeze=False)
     used = []
     row = 0
     for panels in groups:
