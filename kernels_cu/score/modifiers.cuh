@@ -123,19 +123,14 @@ struct ScoreOp {
     // are discarded, and must not read past the bias), then ALiBi. The per-score form, for
     // the backward's element passes; the forward's tiles take values() and staged operands.
     __device__ __forceinline__ Acc value(const Params& p, const HeadView& hv, Acc raw, int i, int j) const {
-        return value_with(hv, raw, i, j, bias_log2(p, min(i, hv.q_len - 1), j));
+        return value_at(raw, bias_log2(p, min(i, hv.q_len - 1), j), alibi_base(hv, i, j));
     }
 
-    // value() with the bias term b_log2 = bias[i, j] * log2(e) given (read ahead by the caller;
-    // ignored without a bias).
-    __device__ __forceinline__ Acc value_with(const HeadView& hv, Acc raw, int i, int j, Acc b_log2) const {
-        return value_at(raw, b_log2, static_cast<Acc>(i + hv.diagonal - j));
-    }
-
-    // value() from raw, the bias term b_log2 and ALiBi's offset d = i + Lk - Lq - j as a float.
-    // A tile's callers form d as one converted base plus the element's compile-time offset
-    // (alibi_base): an integer conversion runs at a sixteenth of the float rate, as exp2 does,
-    // and one a score doubled the forward's special-function work. Exact while |d| < 2^24.
+    // value() from raw, the bias term b_log2 = bias[i, j] * log2(e) (ignored without a bias)
+    // and ALiBi's offset d = i + Lk - Lq - j as a float. A tile's callers form d as one
+    // converted base plus the element's compile-time offset (alibi_base): an integer
+    // conversion runs at a sixteenth of the float rate, as exp2 does, and one a score doubled
+    // the forward's special-function work. Exact while |d| < 2^24.
     __device__ __forceinline__ Acc value_at(Acc raw, Acc b_log2, Acc d) const {
         Acc s;
         if constexpr ((M & kModSoftcap) != 0) {
