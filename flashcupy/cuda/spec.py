@@ -580,13 +580,14 @@ class BackwardRule:
 class _WgmmaBackwardRule(BackwardRule):
     """The warpgroup dK/dV kernel: two warpgroups of 64 keys; up to D = 128 the whole head
     in one chunk, D = 256 in two (S^T and dP^T recomputed per chunk), and D = 128 with a bias
-    in two of 64 columns too (128-wide dK and dV leave a bias no registers for the two element
-    passes and its staged tiles: one pass reading it per score ran at 3.5x the plain
-    backward); 128-query tiles at D <= 64 without score options, 64 otherwise; two stages
+    but no softcap in two of 64 columns too (128-wide dK and dV leave a bias no registers for
+    the two element passes and its staged tiles: one pass reading it per score ran at 3.5x the
+    plain backward; softcap keeps one pass either way); 128-query tiles at D <= 64 without score options, 64 otherwise; two stages
     where they fit."""
 
     def candidates(self, call: Call) -> list[BackwardSpec]:
-        chunk = 64 if call.hd == 128 and "bias" in call.scores.mods else min(call.hd, 128)
+        mods = call.scores.mods
+        chunk = 64 if call.hd == 128 and "bias" in mods and "softcap" not in mods else min(call.hd, 128)
         spec = BackwardSpec(call.dtype, "wgmma", call.hd, call.hd, chunk, 128,
                             128 if call.hd <= 64 and not call.full else 64, True, 2, call.scores, 1)
         return [spec if spec.smem_bytes <= call.smem_limit else dataclasses.replace(spec, stages=1)]

@@ -34,8 +34,8 @@ struct BwdWgmma {
 
     // Two element passes (OptionElements) for options but softcap (kTwoPassElements); beside
     // gradient chunks wider than 64 columns not with a bias or dropout, whose per-score loads
-    // and Philox calls in the first pass spill there (the host gives a bias at D = 128 two
-    // 64-column chunks instead).
+    // and Philox calls in the first pass spill there (the host gives a bias at D = 128, softcap
+    // absent, two 64-column chunks instead).
     template <typename Set>
     static constexpr bool kTwoPass = kTwoPassElements<Set> && (CH <= 64 || (Set::kMods & (kModBias | kModDropout)) == 0);
     // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q by the two-pass
