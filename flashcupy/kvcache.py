@@ -5,8 +5,12 @@ cache in place and attends over each sequence's valid keys; :func:`merge_attenti
 combines attention over two disjoint key sets into attention over their union.
 
 Both take NumPy or CuPy arrays (the cache is written in place, so it must already be one of
-them) and return the kind that went in. The attention itself is :func:`flashcupy.flash_attention`
-with ``kv_lengths``: a paged cache is gathered into a contiguous copy of the blocks in use first.
+them) and return the kind that went in. On CuPy arrays the attention runs on the split-KV decode kernels
+(:mod:`flashcupy.cuda.decode`: the keys split across blocks, the query heads that share a KV
+head read each key once, paged caches read through the block table in place); calls they do
+not take (more than 16 query rows a KV head, head dims past 256 or not whole 16-byte chunks,
+unaligned caches), and NumPy arrays, run :func:`flashcupy.flash_attention` with
+``kv_lengths``, a paged cache gathered into a contiguous copy of the blocks in use first.
 """
 
 from __future__ import annotations
@@ -56,6 +60,13 @@ def _seqlens(cache_seqlens: Any, batch: int, capacity: int) -> np.ndarray:
     return lens
 
 
+def _cuda_decode():
+    """flashcupy.cuda.decode, imported where a GPU call needs it (CuPy stays optional)."""
+    from .cuda import decode
+
+    return decode
+
+
 def flash_attention_with_kvcache(
     q: Any,
     k_cache: Any,
@@ -72,6 +83,7 @@ def flash_attention_with_kvcache(
     softcap: float | None = None,
     sinks: Any = None,
     return_lse: bool = False,
+    num_splits: int = 0,
     allow_tf32: bool = False,
     backend: str = "auto",
 ):
@@ -97,6 +109,11 @@ def flash_attention_with_kvcache(
             backend: as :func:`flashcupy.flash_attention`, over each sequence's keys: causal
             is bottom-right, query row i sees keys <= i + keys - Lq, with keys =
             cache_seqlens[b] + Lnew.
+        num_splits: blocks each sequence's keys are split over on the GPU, their partial
+            results merged: 0 (default) chooses from the batch, KV heads, keys and the GPU's
+            multiprocessors; a number is honoured up to one split per tile of keys. The
+            result is the same up to rounding; the CPU backend and the general GPU path
+            ignore it.
 
     Returns:
         out (B, Hq, Lq, Dv), and with ``return_lse`` also lse (B, Hq, Lq).
@@ -126,6 +143,10 @@ def flash_attention_with_kvcache(
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name}: expected q's dtype {dtype_name(q.dtype)}, received {dtype_name(x.dtype)}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits: expected an int, received {type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits: expected 0 (choose) or a positive count, received {num_splits}")
     lens = _seqlens(cache_seqlens, batch, capacity)
     new = 0
     if (k is None) != (v is None):
@@ -158,15 +179,17 @@ def flash_attention_with_kvcache(
     # attention's own, on views of the cache that will see the write; a paged one's is checked on
     # stand-ins of the gathered keys' shapes (its option arrays moved where q is, as
     # flash_attention will) and validated again on the gathered copy.
-    prepared = None
     if paged:
-        _api._backend(backend, q)
+        runs_on = _api._backend(backend, q)
         standin = lambda shape: xp.broadcast_to(xp.zeros((), q.dtype), shape)  # noqa: E731
         make = make_host_problem if xp is np else make_device_problem
-        make(q, standin((batch, hk, keys, d)), standin((batch, hk, keys, v_cache.shape[-1])), options)
+        pb = make(q, standin((batch, hk, keys, d)), standin((batch, hk, keys, v_cache.shape[-1])), options)
+        prepared = None
     else:
         k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
         prepared = _api._prepare(q, k_seq, v_seq, options)
+        pb, _, runs_on = prepared
+    decode = runs_on == "cuda" and xp is not np and _cuda_decode().unsupported(q, k_cache, v_cache, pb) is None
     if new:
         # (B, Lnew) positions; advanced indices around a slice put (B, Lnew) first: k as (B, Lnew, Hk, D)
         pos = lens[:, None] + np.arange(new)
@@ -176,6 +199,9 @@ def flash_attention_with_kvcache(
             rows = (xp.asarray(np.arange(batch)[:, None]), xp.asarray(pos))
         k_cache[rows[0], :, rows[1]] = k.transpose(0, 2, 1, 3)
         v_cache[rows[0], :, rows[1]] = v.transpose(0, 2, 1, 3)
+    if decode:
+        out, lse = _cuda_decode().decode(q, k_cache, v_cache, total, table if paged else None, pb, int(num_splits))
+        return (out, lse) if pb.return_lse else out
     if paged:  # the blocks in use, gathered in logical order: (B, Hk, blocks * block_size, D)
         used = xp.asarray(table[:, : -(-keys // block_size)])
         k_seq, v_seq = (c[used].transpose(0, 2, 1, 3, 4).reshape(batch, hk, used.shape[1] * block_size,

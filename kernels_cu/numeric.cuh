@@ -38,5 +38,7 @@ __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
+__device__ __forceinline__ float log2_acc(float x) { return log2f(x); }
+__device__ __forceinline__ double log2_acc(double x) { return log2(x); }
 
 }  // namespace flash

@@ -3,6 +3,9 @@ merge_attention_states, against the float64 reference."""
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -10,7 +13,7 @@ from hypothesis import strategies as st
 
 import flashcupy as fc
 
-from support import F16, F32, F64, assert_rule
+from support import BF16, F16, F32, F64, assert_rule
 
 
 def _paged(k_cache: np.ndarray, v_cache: np.ndarray, block_size: int, rs: np.random.Generator):
@@ -33,12 +36,12 @@ def _paged(k_cache: np.ndarray, v_cache: np.ndarray, block_size: int, rs: np.ran
 
 
 @st.composite
-def decode_calls(draw):
-    dtype = draw(st.sampled_from([F16, F32, F64]))
+def decode_calls(draw, dtypes=(F16, F32, F64), groups=(1, 2, 4), lmax=(8, 70), dims=((8, 40, 64), (8, 24))):
+    dtype = draw(st.sampled_from(dtypes))
     batch, hk = draw(st.integers(1, 3)), draw(st.integers(1, 2))
-    hq = hk * draw(st.sampled_from([1, 2, 4]))
-    lq, new, lmax = draw(st.integers(1, 5)), draw(st.integers(0, 4)), draw(st.integers(8, 70))
-    d, dv = draw(st.sampled_from([8, 40, 64])), draw(st.sampled_from([8, 24]))
+    hq = hk * draw(st.sampled_from(groups))
+    lq, new, lmax = draw(st.integers(1, 5)), draw(st.integers(0, 4)), draw(st.integers(*lmax))
+    d, dv = draw(st.sampled_from(dims[0])), draw(st.sampled_from(dims[1]))
     rs = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     lens = rs.integers(0, lmax - new + 1, batch)
     options = {}
@@ -52,7 +55,7 @@ def decode_calls(draw):
         options["softcap"] = 5.0
     if draw(st.booleans()):
         options["sinks"] = rs.standard_normal(hq)
-    block_size = draw(st.sampled_from([None, 1, 8, 16]))
+    block_size = draw(st.sampled_from([None, 1, 8, 16, 64]))
     arrays = [rs.standard_normal(shape).astype(dtype) for shape in
               ((batch, hq, lq, d), (batch, hk, lmax, d), (batch, hk, lmax, dv), (batch, hk, new, d),
                (batch, hk, new, dv))]
@@ -191,6 +194,85 @@ def test_kvcache_on_the_gpu_writes_the_device_cache(paged):
     assert_rule("out", out.get(), ref_out, ref_out, F16, 1.0)
     if not paged:
         np.testing.assert_array_equal(caches[0].get()[1, :, 9:12], k[1])
+
+
+GPU_EXAMPLES = int(os.environ.get("FLASHCUPY_GPU_EXAMPLES", "60"))
+
+
+@pytest.mark.gpu
+@settings(max_examples=GPU_EXAMPLES, deadline=None)
+@given(decode_calls(dtypes=(F16, BF16, F32, F64), groups=(1, 2, 4, 8), lmax=(4, 3000),
+                    dims=((8, 12, 32, 40, 64, 128, 256), (8, 64, 128))),
+       st.sampled_from([0, 1, 2, 7]))
+@example(call=None, num_splits=0)  # a long cache split many ways: see _long_call
+def test_decode_kernels_match_the_reference(call, num_splits):
+    """Every supported call runs the split-KV kernels (their entry is watched), contiguous and
+    paged, appended or not, with each option, GQA groups up to 16 rows and forced splits."""
+    import cupy
+
+    from flashcupy.cuda import decode as cuda_decode
+
+    if call is None:
+        call = _long_call()
+    (q, k_cache, v_cache, k, v), lens, block_size, options, rs = call
+    ref_out, ref_lse = _reference(q, k_cache, v_cache, k, v, lens, options)
+    if block_size is None:
+        caches, table = (k_cache, v_cache), None
+    else:
+        *caches, table = _paged(k_cache, v_cache, block_size, rs)
+    new = k.shape[2]
+    dev = [cupy.asarray(x) for x in (q, *caches, k, v)]
+    supported = (q.shape[1] // k.shape[1]) * q.shape[2] <= cuda_decode.MAX_ROWS and all(
+        (n * q.dtype.itemsize) % 16 == 0 for n in (q.shape[-1], v.shape[-1]))  # else the general forward
+    with mock.patch.object(cuda_decode, "decode", wraps=cuda_decode.decode) as kernels:
+        out, lse = fc.flash_attention_with_kvcache(
+            dev[0], dev[1], dev[2], dev[3] if new else None, dev[4] if new else None, cache_seqlens=lens,
+            block_table=table, return_lse=True, num_splits=num_splits, backend="cuda", **options)
+    assert kernels.called == supported
+    assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == ref_out.shape
+    assert_rule("out", out.get(), ref_out, ref_out, q.dtype, 1.0)
+    tol = 1e-10 if q.dtype == F64 else 1e-4
+    np.testing.assert_allclose(lse.get(), ref_lse, rtol=tol, atol=tol)
+    if block_size is None and new:
+        got = dev[1].get()
+        for b in range(q.shape[0]):
+            np.testing.assert_array_equal(got[b, :, lens[b] : lens[b] + new], k[b])
+
+
+def _long_call():
+    """fp16 GQA 8/2, 20000 keys of cache (many splits, many tiles each), one new key, every
+    elementwise option."""
+    rs = np.random.default_rng(11)
+    arrays = [rs.standard_normal(s).astype(F16) for s in ((2, 8, 1, 128), (2, 2, 20000, 128), (2, 2, 20000, 128),
+                                                          (2, 2, 1, 128), (2, 2, 1, 128))]
+    options = {"causal": True, "window": (15000, 0), "alibi_slopes": rs.uniform(0, 0.01, 8), "softcap": 30.0,
+               "sinks": rs.standard_normal(8)}
+    return arrays, np.array([19999, 12345]), 64, options, rs
+
+
+@pytest.mark.gpu
+def test_decode_splits_change_nothing_but_rounding():
+    """The same call split 1, 3 and the chosen number of ways: equal within float32 rounding,
+    and bitwise repeatable for a fixed count."""
+    import cupy
+
+    rs = np.random.default_rng(12)
+    q, kc, vc = (cupy.asarray(rs.standard_normal(s).astype(F16)) for s in
+                 ((1, 32, 1, 128), (1, 8, 8192, 128), (1, 8, 8192, 128)))
+    outs = [fc.flash_attention_with_kvcache(q, kc, vc, num_splits=n, return_lse=True) for n in (1, 3, 0, 0)]
+    for out, lse in outs[1:]:
+        np.testing.assert_allclose(out.get().astype(F32), outs[0][0].get().astype(F32), atol=2e-3)
+        np.testing.assert_allclose(lse.get(), outs[0][1].get(), rtol=1e-5)
+    np.testing.assert_array_equal(outs[2][0].get(), outs[3][0].get())
+
+
+@pytest.mark.parametrize("num_splits, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_num_splits_is_refused(num_splits, error):
+    q, kc, vc, k, v = _cache(np.random.default_rng(6))
+    before = kc.copy()
+    with pytest.raises(error, match="num_splits"):
+        fc.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=[1, 2], num_splits=num_splits, backend="cpu")
+    np.testing.assert_array_equal(kc, before)
 
 
 @pytest.mark.parametrize("options, error", [({"causal": "bad"}, ValueError), ({"sinks": np.ones(3)}, ValueError),

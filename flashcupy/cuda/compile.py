@@ -30,10 +30,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-from .params import BWD_PARAMS_DTYPE, PARAMS_DTYPE
+from .params import BWD_PARAMS_DTYPE, DECODE_PARAMS_DTYPE, PARAMS_DTYPE
 from .spec import arch_flag
 
-_SOURCES = {"forward": "flash_fwd.cu", "backward": "flash_bwd.cu", "philox_test": "philox_test.cu"}
+_SOURCES = {"forward": "flash_fwd.cu", "backward": "flash_bwd.cu", "decode": "flash_decode.cu",
+            "philox_test": "philox_test.cu"}
 
 
 class KernelCompileError(RuntimeError):
@@ -108,6 +109,7 @@ def compile_options() -> tuple[str, ...]:
         *(f"-I{d}" for d in cuda_include_dirs()),
         f"-DFLASH_PARAMS_SIZE={PARAMS_DTYPE.itemsize}",
         f"-DFLASH_BWD_PARAMS_SIZE={BWD_PARAMS_DTYPE.itemsize}",
+        f"-DFLASH_DECODE_PARAMS_SIZE={DECODE_PARAMS_DTYPE.itemsize}",
         f"-DFLASH_SOURCE_HASH={source_hash()}",
     )
 

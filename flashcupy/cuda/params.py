@@ -47,6 +47,17 @@ BWD_PARAMS_DTYPE = np.dtype(
     align=True,
 )
 
+#: flash::DecodeParams (kernels_cu/decode_params.cuh): the split-KV decode kernels' block.
+DECODE_PARAMS_DTYPE = np.dtype(
+    [(n, np.uint64) for n in ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o",
+                              "lse")]
+    + [(n, np.int64) for n in ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_sr", "bt_sb")]
+    + [("scale", np.float64), ("softcap", np.float64)]
+    + [(n, np.int32) for n in ("batch", "hq", "hk", "lq", "d", "dv", "causal", "window_left", "window_right",
+                               "page", "splits", "split_keys")],
+    align=True,
+)
+
 #: flash::Causal.
 CAUSAL_CODE = {None: 0, "bottom_right": 1, "top_left": 2}
 

@@ -1,0 +1,160 @@
+"""Split-KV decoding against a contiguous or paged key/value cache (kernels_cu/flash_decode.cu).
+
+One block per (sequence, KV head, split of the keys) holds every query row that reads that KV
+head (the query heads of its group times Lq), so each key and value is read once per group;
+the splits' partial outputs and log-sum-exps are merged by a second kernel, with the sinks.
+Paged caches are read through the block table in place. :func:`unsupported` says which calls
+this path takes; :mod:`flashcupy.kvcache` sends the others to the general forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from ..problem import Problem, accumulator_dtype
+from . import _empty
+from . import params as P
+from .compile import get_function
+from .spec import CXX_TYPE
+
+#: Head dims the kernel is compiled for (a call's D and Dv each take the smallest that fits).
+HEAD_DIMS = (32, 64, 128, 256)
+#: Query rows a block holds: G * Lq (query heads a KV head times queries a sequence) at most.
+MAX_ROWS = 16
+#: Threads of decode_split and decode_merge; stages of decode_split's copies (DecodeShape).
+THREADS = 128
+STAGES = 4
+#: Keys a split takes at least when the count is chosen (num_splits=0): below that the merge
+#: and the block's setup outweigh what the extra blocks add.
+MIN_SPLIT_KEYS = 512
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return np.dtype(dtype).name
+
+
+@functools.cache
+def tile_shape(dtype_name: str, hk: int, hv: int, rows: int) -> tuple[int, int]:
+    """(keys a tile, shared-memory bytes) of decode_split<T, hk, hv, rows>, as DecodeShape
+    works them out (the kernel checks the bytes against its own at compile time)."""
+    size = np.dtype(np.float16 if dtype_name == "bfloat16" else dtype_name).itemsize
+    acc = 8 if dtype_name == "float64" else 4
+    vec = 16 // size
+    keys = min(128, 8192 // (max(hk, hv) * size))
+    split = min(THREADS // keys, hk // vec)
+    pitch_k, pitch_v = (hk // vec + split) * 16, (hv // vec + 1) * 16
+    tiles = STAGES * keys * (pitch_k + pitch_v)
+    return keys, tiles + rows * hk * acc + rows * keys * acc + rows * (4 * acc + 3 * 4)
+
+
+def _padded(d: int) -> int:
+    return next(h for h in HEAD_DIMS if h >= d)
+
+
+def _rows(rows: int) -> int:
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def unsupported(q: Any, k_cache: Any, v_cache: Any, pb: Problem) -> str | None:
+    """Why the decode kernels cannot run this call (None: they can). q: (B, Hq, Lq, D) CuPy;
+    the caches as flash_attention_with_kvcache takes them; ``pb`` the call's validated problem."""
+    if pb.dtype.name not in CXX_TYPE:
+        return f"dtype {pb.dtype.name}"
+    rows = pb.group_size * pb.seqlen_q
+    if rows > MAX_ROWS:
+        return f"{rows} query rows a KV head (more than {MAX_ROWS})"
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.shape[-1] > HEAD_DIMS[-1] or (x.shape[-1] * x.itemsize) % 16:
+            return f"{name}'s head dim {x.shape[-1]} (16-byte chunks up to {HEAD_DIMS[-1]} wanted)"
+        if name != "q" and (x.data.ptr % 16 or x.strides[-1] != x.itemsize
+                            or any(s % 16 for n, s in zip(x.shape[:-1], x.strides[:-1]) if n > 1)):
+            return f"{name}'s layout (16-byte aligned rows with a contiguous last axis wanted)"
+    if pb.bias is not None or pb.mask is not None or pb.block_mask is not None or pb.dropout_p > 0:
+        return "a bias, mask, block mask or dropout"
+    return None
+
+
+@functools.cache
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def choose_splits(blocks: int, max_keys: int, sms: int) -> int:
+    """Splits over the keys when the caller leaves it to us: enough blocks for about four a
+    multiprocessor (two resident, two waves), each split at least MIN_SPLIT_KEYS keys."""
+    want = -(-4 * sms // max(blocks, 1))
+    return max(1, min(want, max_keys // MIN_SPLIT_KEYS))
+
+
+def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: np.ndarray | None, pb: Problem,
+           num_splits: int) -> tuple[Any, Any]:
+    """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of q against the caches, CuPy arrays.
+
+    keys: host (B,) ints, the keys each sequence attends; table: host (B, max_blocks) ints,
+    in range where used (paged), or None (contiguous); num_splits: 0 to choose, else at most
+    one split per tile of keys is kept. Options (scale, causal, window, ALiBi, softcap,
+    sinks) come from ``pb``.
+    """
+    import cupy as cp
+
+    batch, hq, lq, d = q.shape
+    hk, dv = k_cache.shape[1], v_cache.shape[-1]
+    name = _dtype_name(pb.dtype)
+    acc = accumulator_dtype(pb.dtype)
+    out = _empty((batch, hq, lq, dv), pb.dtype, cp)
+    lse = _empty((batch, hq, lq), acc, cp)
+    if out.size == 0 and lse.size == 0:
+        return out, lse
+    hk_t, hv_t, rows_t = _padded(d), _padded(dv), _rows(pb.group_size * lq)
+    tile, smem = tile_shape(name, hk_t, hv_t, rows_t)
+    device_id = q.device.id
+    max_keys = int(keys.max()) if batch else 0
+    if num_splits <= 0:
+        num_splits = choose_splits(batch * hk, max_keys, _sm_count(device_id))
+    tiles = max(1, -(-max_keys // tile))
+    num_splits = min(num_splits, tiles)
+    split_keys = -(-tiles // num_splits) * tile
+    num_splits = max(1, -(-max_keys // split_keys))
+
+    if q.strides[-1] != q.itemsize:
+        q = cp.ascontiguousarray(q)
+    keys_dev = cp.asarray(keys.astype(np.int32))
+    o_part = _empty((num_splits, batch * hq * lq, dv), acc, cp)
+    lse_part = _empty((num_splits, batch * hq * lq), acc, cp)
+    keep = [keys_dev]
+    fields = dict(q=q.data.ptr, k=k_cache.data.ptr, v=v_cache.data.ptr, keys=keys_dev.data.ptr,
+                  o_part=o_part.data.ptr, lse_part=lse_part.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+                  scale=pb.scale, softcap=pb.softcap or 0.0, batch=batch, hq=hq, hk=hk, lq=lq, d=d, dv=dv,
+                  causal=P.CAUSAL_CODE[pb.causal], page=0, splits=num_splits, split_keys=split_keys)
+    for prefix, x in (("q", q), ("k", k_cache), ("v", v_cache)):
+        fields[f"{prefix}_sb"], fields[f"{prefix}_sh"], fields[f"{prefix}_sr"] = (s // x.itemsize for s in x.strides[:3])
+    left, right = pb.window if pb.window is not None else (None, None)
+    fields["window_left"] = -1 if left is None else min(left, 2**31 - 1)
+    fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
+    if table is not None:
+        table_dev = cp.asarray(np.ascontiguousarray(table, dtype=np.int32))
+        keep.append(table_dev)
+        fields.update(block_table=table_dev.data.ptr, bt_sb=table_dev.shape[1], page=k_cache.shape[2])
+    if pb.alibi_slopes is not None:
+        slopes = cp.asarray(np.ascontiguousarray(np.broadcast_to(pb.alibi_slopes, (batch, hq)), dtype=np.float64))
+        keep.append(slopes)
+        fields["alibi"] = slopes.data.ptr
+    if pb.sinks is not None:
+        sinks = cp.ascontiguousarray(cp.broadcast_to(cp.asarray(pb.sinks, dtype=np.float64), (batch, hq)))
+        keep.append(sinks)
+        fields["sinks"] = sinks.data.ptr
+    block = P.pack(P.DECODE_PARAMS_DTYPE, **fields)
+    split_fn = get_function("decode", f"flash::decode_split<{CXX_TYPE[name]}, {hk_t}, {hv_t}, {rows_t}, {smem}>",
+                            device_id, smem)
+    merge_fn = get_function("decode", f"flash::decode_merge<{CXX_TYPE[name]}>", device_id)
+    if batch * hk:
+        split_fn((batch * hk, num_splits), (THREADS,), (block,), shared_mem=smem)
+    merge_fn((batch * hq * lq,), (THREADS,), (block,))
+    del keep  # CuPy's pool hands freed memory only to later work on the stream
+    return out, lse

@@ -1,0 +1,46 @@
+// The parameter block of the decode kernels (flash_decode.cu), passed by value.
+//
+// flashcupy/cuda/params.py builds the same layout as DECODE_PARAMS_DTYPE (8-byte fields
+// first, so no padding is inserted); FLASH_DECODE_PARAMS_SIZE, defined by the compiler
+// options, is that scalar's size and is checked below.
+#pragma once
+
+#include "params.cuh"
+
+namespace flash {
+
+struct DecodeParams {
+    // ---- 8-byte fields
+    const void* q;             // (B, Hq, Lq, D), last axis contiguous
+    const void* k;             // contiguous (B, Hk, Lmax, D) or paged (num_blocks, Hk, page, D)
+    const void* v;             // likewise with Dv
+    const i32* keys;           // (B): keys each sequence attends (valid cache + appended)
+    const i32* block_table;    // (B, max_blocks) physical block of each logical one; nullptr: contiguous
+    const double* alibi;       // (B, Hq) contiguous slopes; nullptr if none
+    const double* sinks;       // (B, Hq) contiguous sink logits; nullptr if none
+    void* o_part;              // (splits, B * Hq * Lq, Dv) Acc: each split's normalised output
+    void* lse_part;            // (splits, B * Hq * Lq) Acc: each split's log2-sum-exp2
+    void* o;                   // (B, Hq, Lq, Dv) contiguous, the inputs' dtype
+    void* lse;                 // (B, Hq, Lq) contiguous, float32 (float64 for float64 inputs)
+    i64 q_sb, q_sh, q_sr;      // strides in elements
+    i64 k_sb, k_sh, k_sr;      // k_sb: a sequence's stride (contiguous) or a block's (paged)
+    i64 v_sb, v_sh, v_sr;
+    i64 bt_sb;                 // block_table's row stride
+    double scale;              // softmax scale
+    double softcap;            // 0: none
+    // ---- 4-byte fields
+    i32 batch, hq, hk, lq;     // hq % hk == 0; (hq / hk) * lq rows a block
+    i32 d, dv;                 // head dims (multiples of a 16-byte chunk)
+    i32 causal;                // Causal
+    i32 window_left, window_right;  // < 0: unbounded
+    i32 page;                  // keys a block of the paged cache (0: contiguous)
+    i32 splits;                // blocks over each sequence's keys (grid y)
+    i32 split_keys;            // keys a split, a multiple of the tile's keys
+};
+
+#ifdef FLASH_DECODE_PARAMS_SIZE
+static_assert(sizeof(DecodeParams) == FLASH_DECODE_PARAMS_SIZE,
+              "DecodeParams layout differs from flashcupy/cuda/params.py");
+#endif
+
+}  // namespace flash

@@ -1,0 +1,357 @@
+// Decoding: a few query rows against a long key/value cache, split over the keys (split-KV),
+// then the splits' partial results merged.
+//
+// decode_split<T, HK, HV, ROWS, SMEM_BYTES>: grid (B * Hk, splits). Block (b, hk, split) holds
+//   every query row that reads KV head hk, the G = Hq / Hk query heads of its group times Lq
+//   positions (row r = g * Lq + i, ROWS >= G * Lq), so each K and V tile is read from memory
+//   once per group. It walks its split's keys a tile of kKeys at a time with kStages - 1 tiles
+//   of cp.async copies in flight, keeps each row's online softmax (running max m, sum l and an
+//   unnormalised O) and writes O / l and m + log2(l) for its split.
+// decode_merge<T>: one block per query row: lse = log-sum-exp over the splits' and the sink's,
+//   O = sum over splits of O_s 2^(lse_s - lse).
+//
+// The products are a few FMAs per byte read (G * Lq rows against each key), far under the
+// tensor cores' reach and under the CUDA cores' too: they run on the CUDA cores in the
+// accumulator type (float; double for float64), which also serves every input dtype.
+// Scores are kept in the log2 domain (q is scaled by scale * log2(e) once) so the softmax
+// uses exp2.
+#include "copy.cuh"
+#include "decode_params.cuh"
+#include "numeric.cuh"
+
+namespace flash {
+
+template <typename T> struct DecodeAccOf { using type = float; };
+template <> struct DecodeAccOf<double> { using type = double; };
+
+// The tile shapes and shared-memory layout of decode_split, decided here once; the host
+// (flashcupy/cuda/decode.py) launches with SMEM_BYTES = kBytes, checked at compile time.
+template <typename T, int HK, int HV, int ROWS>
+struct DecodeShape {
+    using Acc = typename DecodeAccOf<T>::type;
+    static constexpr int kThreads = 128;
+    static constexpr int kWarps = kThreads / 32;
+    static constexpr int kStages = 4;
+    static constexpr int kVec = 16 / int(sizeof(T));  // elements a 16-byte chunk
+    static constexpr int kHead = HK > HV ? HK : HV;
+    // Keys a tile: 8 KB of the wider operand (three tiles of K and V in flight a block, two or
+    // three blocks an SM: enough bytes in flight for the memory system), at most 128.
+    static constexpr int kKeysRaw = 8192 / (kHead * int(sizeof(T)));
+    static constexpr int kKeys = kKeysRaw < 128 ? kKeysRaw : 128;
+    static constexpr int kChunksK = HK / kVec;  // 16-byte chunks of a K row
+    static constexpr int kChunksV = HV / kVec;
+    // Threads sharing one key's q . k: all of them, up to one a chunk (a K row narrower than
+    // V's leaves the rest idle in that step).
+    static constexpr int kSplit = kThreads / kKeys < kChunksK ? kThreads / kKeys : kChunksK;
+    static constexpr int kGroups = kThreads / kChunksV;  // key groups in O += P V
+    // Row pitches (bytes): kSplit (K) and one (V) chunks of padding, so the 8 lanes of a
+    // shared-memory phase (a key's kSplit lanes read adjacent chunks) hit distinct banks.
+    static constexpr int kPitchK = (kChunksK + kSplit) * 16;
+    static constexpr int kPitchV = (kChunksV + 1) * 16;
+    static constexpr int kStageBytes = kKeys * (kPitchK + kPitchV);
+    static constexpr int kTilesBytes = kStages * kStageBytes;
+    // The key groups' partial O are summed through the (drained) stages, RC rows a pass.
+    static constexpr int kRowBytes = kGroups * HV * int(sizeof(Acc));
+    static constexpr int kReduceRows = kTilesBytes / kRowBytes < ROWS ? kTilesBytes / kRowBytes : ROWS;
+    // Layout: stages | q (ROWS, HK) | scores (ROWS, kKeys) | per row m, l, alpha, slope | lo, hi, pos.
+    static constexpr int kQOffset = kTilesBytes;
+    static constexpr int kSOffset = kQOffset + ROWS * HK * int(sizeof(Acc));
+    static constexpr int kRowOffset = kSOffset + ROWS * kKeys * int(sizeof(Acc));
+    static constexpr int kBytes = kRowOffset + ROWS * (4 * int(sizeof(Acc)) + 3 * int(sizeof(int)));
+
+    static_assert(HK % kVec == 0 && HV % kVec == 0, "head dims are whole 16-byte chunks");
+    static_assert(kKeys >= 4 && kKeys <= kThreads && kThreads % kKeys == 0, "keys tile the threads");
+    static_assert(kSplit <= 32 && kChunksK % kSplit == 0, "a key's threads share a warp and its chunks");
+    static_assert(kChunksV <= kThreads && kThreads % kChunksV == 0, "every V chunk has its threads");
+    static_assert(kReduceRows >= 1, "a row of partial O fits the stages");
+    static_assert(kBytes <= 227 * 1024, "shared memory of one block on sm_90");
+};
+
+// Row `key` of sequence b's K or V cache for KV head hk: contiguous (B, Hk, Lmax, D) or
+// paged through the block table (num_blocks, Hk, page, D).
+template <typename T>
+__device__ __forceinline__ const T* cache_row(const DecodeParams& p, const T* base, i64 sb, i64 sh, i64 sr,
+                                              int b, int hk, int key) {
+    if (p.block_table == nullptr) return base + b * sb + hk * sh + key * sr;
+    const i64 block = p.block_table[b * p.bt_sb + key / p.page];
+    return base + block * sb + hk * sh + (key % p.page) * sr;
+}
+
+template <typename T, int HK, int HV, int ROWS, int SMEM_BYTES>
+__global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
+    using Shape = DecodeShape<T, HK, HV, ROWS>;
+    using Acc = typename Shape::Acc;
+    constexpr int THREADS = Shape::kThreads, KEYS = Shape::kKeys, VEC = Shape::kVec, STAGES = Shape::kStages;
+    constexpr int SPLIT = Shape::kSplit, GROUPS = Shape::kGroups;
+    constexpr int CK = Shape::kChunksK, CV = Shape::kChunksV, RC = Shape::kReduceRows;
+    static_assert(SMEM_BYTES == Shape::kBytes, "the host launches with the kernel's shared memory");
+    struct alignas(16) Raw { T v[VEC]; };      // one 16-byte chunk of K or V
+    struct alignas(16) Chunk { Acc v[VEC]; };  // one chunk widened (q, partial O)
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    Acc* sQ = reinterpret_cast<Acc*>(smem + Shape::kQOffset);      // (ROWS, HK) q * scale * log2(e)
+    Acc* sS = reinterpret_cast<Acc*>(smem + Shape::kSOffset);      // (ROWS, KEYS) scores, then P
+    Acc* sM = reinterpret_cast<Acc*>(smem + Shape::kRowOffset);    // (ROWS) running max, log2 domain
+    Acc* sL = sM + ROWS;                                           // running sum of P
+    Acc* sAlpha = sL + ROWS;                                       // this tile's rescale of O and l
+    Acc* sSlope = sAlpha + ROWS;                                   // ALiBi slope * log2(e)
+    int* sLo = reinterpret_cast<int*>(sSlope + ROWS);              // keys [lo, hi) a row may see
+    int* sHi = sLo + ROWS;
+    int* sPos = sHi + ROWS;                                        // i + keys - Lq: the row's diagonal key
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int b = blockIdx.x / p.hk, hk = blockIdx.x % p.hk, split = blockIdx.y;
+    const int group = p.hq / p.hk, rows = group * p.lq;
+    const int keys = p.keys[b];
+    const i64 total_rows = i64(p.batch) * p.hq * p.lq;
+    const i64 row0 = (i64(b) * p.hq + i64(hk) * group) * p.lq;  // the block's first row of out
+    const T* gQ = static_cast<const T*>(p.q);
+    const T* gK = static_cast<const T*>(p.k);
+    const T* gV = static_cast<const T*>(p.v);
+    const bool softcap = p.softcap != 0.0;
+    // S = scale q.k, or softcap tanh(scale q.k / softcap), then minus slope |pos - key|; in
+    // log2 units: q carries scale * log2(e) (or scale / softcap, the tanh's argument).
+    const Acc q_mul = Acc(softcap ? p.scale / p.softcap : p.scale * kLog2e);
+    const Acc cap_log2 = Acc(p.softcap * kLog2e);
+
+    for (int r = tid; r < ROWS; r += THREADS) {
+        i64 lo = 0, hi = 0, pos = 0;
+        Acc slope = 0;
+        if (r < rows) {
+            const int i = r % p.lq, hq = hk * group + r / p.lq;
+            pos = i64(i) + keys - p.lq;
+            hi = keys;
+            if (p.causal == kBottomRight) hi = min(hi, pos + 1);
+            if (p.causal == kTopLeft) hi = min(hi, i64(i) + 1);
+            if (p.window_right >= 0) hi = min(hi, pos + p.window_right + 1);
+            if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
+            if (p.alibi != nullptr) slope = Acc(p.alibi[i64(b) * p.hq + hq] * kLog2e);
+        }
+        sLo[r] = int(min(lo, i64(keys)));
+        sHi[r] = int(max(hi, i64(0)));
+        sPos[r] = int(pos);
+        sM[r] = neg_inf<Acc>();
+        sL[r] = Acc(0);
+        sSlope[r] = slope;
+    }
+    for (int e = tid; e < ROWS * HK; e += THREADS) {
+        const int r = e / HK, c = e % HK;
+        Acc x = 0;
+        if (r < rows && c < p.d) {
+            const int i = r % p.lq, hq = hk * group + r / p.lq;
+            x = widen(gQ[i64(b) * p.q_sb + i64(hq) * p.q_sh + i64(i) * p.q_sr + c]) * q_mul;
+        }
+        sQ[e] = x;
+    }
+    __syncthreads();
+
+    // The block's keys: its split's, within the union of its rows' ranges.
+    int lo = keys, hi = 0;
+    for (int r = 0; r < rows; ++r) {
+        if (sLo[r] < sHi[r]) {
+            lo = min(lo, sLo[r]);
+            hi = max(hi, sHi[r]);
+        }
+    }
+    lo = int(max(i64(lo), i64(split) * p.split_keys));
+    hi = int(min(i64(hi), i64(split + 1) * p.split_keys));
+    const int tiles = hi > lo ? (hi - lo + KEYS - 1) / KEYS : 0;
+
+    // Tile t's keys [lo + t KEYS, ...) into stage s: rows past hi and columns past d (dv) zero.
+    auto load_tile = [&](int t, int s) {
+        unsigned char* sK = smem + s * Shape::kStageBytes;
+        unsigned char* sV = sK + KEYS * Shape::kPitchK;
+        const int k0 = lo + t * KEYS;
+#pragma unroll
+        for (int c = tid; c < KEYS * CK; c += THREADS) {
+            const int kk = c / CK, ch = c % CK, key = k0 + kk;
+            const bool valid = key < hi && ch * VEC < p.d;
+            const T* src = valid ? cache_row(p, gK, p.k_sb, p.k_sh, p.k_sr, b, hk, key) + ch * VEC : gK;
+            cp_async_16(sK + kk * Shape::kPitchK + ch * 16, src, valid);
+        }
+#pragma unroll
+        for (int c = tid; c < KEYS * CV; c += THREADS) {
+            const int kk = c / CV, ch = c % CV, key = k0 + kk;
+            const bool valid = key < hi && ch * VEC < p.dv;
+            const T* src = valid ? cache_row(p, gV, p.v_sb, p.v_sh, p.v_sr, b, hk, key) + ch * VEC : gV;
+            cp_async_16(sV + kk * Shape::kPitchV + ch * 16, src, valid);
+        }
+    };
+
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (t < tiles) load_tile(t, t);
+        cp_async_commit();
+    }
+
+    const int v_chunk = tid % CV, v_group = tid / CV;  // O += P V: this thread's V chunk and keys
+    Acc rO[ROWS][VEC];                                  // (ROWS, VEC) its share of O, unnormalised
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) rO[r][e] = Acc(0);
+
+    for (int t = 0; t < tiles; ++t) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile t landed; every thread is done with tile t - 1's stage and P
+        if (t + STAGES - 1 < tiles) load_tile(t + STAGES - 1, (t + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const unsigned char* sK = smem + (t % STAGES) * Shape::kStageBytes;
+        const unsigned char* sV = sK + KEYS * Shape::kPitchK;
+        const int k0 = lo + t * KEYS;
+
+        {  // S = q . k: SPLIT threads a key, each every SPLIT-th chunk, summed by a butterfly
+            const bool owner = tid / SPLIT < KEYS;  // threads past the tile's keys compute key 0's again
+            const int kk = owner ? tid / SPLIT : 0, part = tid % SPLIT;
+            Acc rS[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) rS[r] = Acc(0);
+#pragma unroll
+            for (int n = 0; n < CK / SPLIT; ++n) {
+                const int ch = part + n * SPLIT;
+                const Raw rK = *reinterpret_cast<const Raw*>(sK + kk * Shape::kPitchK + ch * 16);
+                Acc k_e[VEC];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) k_e[e] = widen(rK.v[e]);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    const Chunk q = *reinterpret_cast<const Chunk*>(sQ + r * HK + ch * VEC);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) rS[r] += q.v[e] * k_e[e];
+                }
+            }
+#pragma unroll
+            for (int off = 1; off < SPLIT; off *= 2)
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) rS[r] += __shfl_xor_sync(0xffffffffu, rS[r], off);
+            const int key = k0 + kk;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (!owner || r % SPLIT != part) continue;
+                Acc x = rS[r];
+                if (softcap) x = cap_log2 * tanh_acc(x);
+                const int dist = sPos[r] > key ? sPos[r] - key : key - sPos[r];
+                x -= sSlope[r] * Acc(dist);
+                sS[r * KEYS + kk] = key >= sLo[r] && key < sHi[r] ? x : neg_inf<Acc>();
+            }
+        }
+        __syncthreads();
+
+        // Online softmax, a warp a row: m' = max(m, max_j S), P = exp2(S - m'), alpha = exp2(m - m'),
+        // l' = alpha l + sum_j P. A row with no key yet keeps m = -inf and takes exp2(x - 0) = 0.
+        for (int r = warp; r < ROWS; r += Shape::kWarps) {
+            Acc mx = neg_inf<Acc>();
+            for (int j = lane; j < KEYS; j += 32) mx = max(mx, sS[r * KEYS + j]);
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const Acc m_old = sM[r], m_new = max(m_old, mx);
+            const Acc base = m_new == neg_inf<Acc>() ? Acc(0) : m_new;
+            Acc sum = 0;
+            for (int j = lane; j < KEYS; j += 32) {
+                const Acc pj = softmax_exp2(sS[r * KEYS + j] - base);
+                sS[r * KEYS + j] = pj;
+                sum += pj;
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            __syncwarp();
+            if (lane == 0) {
+                const Acc alpha = softmax_exp2(m_old - base);
+                sAlpha[r] = alpha;
+                sL[r] = sL[r] * alpha + sum;
+                sM[r] = m_new;
+            }
+        }
+        __syncthreads();
+
+        // O = alpha O + P V over this thread's keys of the tile (every GROUPS-th).
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const Acc alpha = sAlpha[r];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) rO[r][e] *= alpha;
+        }
+        for (int j = v_group; j < KEYS; j += GROUPS) {
+            const Raw rV = *reinterpret_cast<const Raw*>(sV + j * Shape::kPitchV + v_chunk * 16);
+            Acc v_e[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) v_e[e] = widen(rV.v[e]);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const Acc pj = sS[r * KEYS + j];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) rO[r][e] += pj * v_e[e];
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // The key groups' shares of O added in a fixed order (the result does not depend on
+    // scheduling), RC rows a pass through the drained stages: (GROUPS, RC, HV).
+    Acc* sRed = reinterpret_cast<Acc*>(smem);
+    Acc* gO = static_cast<Acc*>(p.o_part) + (i64(split) * total_rows + row0) * p.dv;
+#pragma unroll
+    for (int r0 = 0; r0 < ROWS; r0 += RC) {
+#pragma unroll
+        for (int rr = 0; rr < RC; ++rr) {
+            if (r0 + rr < ROWS) {
+                Chunk c;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) c.v[e] = rO[r0 + rr][e];
+                *reinterpret_cast<Chunk*>(sRed + (v_group * RC + rr) * HV + v_chunk * VEC) = c;
+            }
+        }
+        __syncthreads();
+        for (int e = tid; e < RC * HV; e += THREADS) {
+            const int rr = e / HV, c = e % HV, r = r0 + rr;
+            if (r < rows && c < p.dv) {
+                Acc o = 0;
+                for (int g = 0; g < GROUPS; ++g) o += sRed[(g * RC + rr) * HV + c];
+                const Acc l = sL[r];
+                gO[i64(r) * p.dv + c] = l > Acc(0) ? o / l : Acc(0);
+            }
+        }
+        __syncthreads();
+    }
+    Acc* gLse = static_cast<Acc*>(p.lse_part) + i64(split) * total_rows + row0;
+    for (int r = tid; r < rows; r += THREADS) {
+        const Acc l = sL[r];
+        gLse[r] = l > Acc(0) ? sM[r] + log2_acc(l) : neg_inf<Acc>();
+    }
+}
+
+// The splits' results of one query row merged, with the row's sink: lse2 = log2(2^sink +
+// sum_s 2^lse2_s), O = sum_s O_s 2^(lse2_s - lse2). A split without keys has lse2_s = -inf and
+// weight 0; a row no split and no sink reaches gets O = 0, lse = -inf.
+template <typename T>
+__global__ void __launch_bounds__(128) decode_merge(const DecodeParams p) {
+    using Acc = typename DecodeAccOf<T>::type;
+    const i64 row = blockIdx.x;
+    const i64 total_rows = i64(p.batch) * p.hq * p.lq;
+    const Acc* gLse = static_cast<const Acc*>(p.lse_part);
+    const Acc* gO = static_cast<const Acc*>(p.o_part);
+    Acc mx = neg_inf<Acc>();
+    for (int s = 0; s < p.splits; ++s) mx = max(mx, gLse[s * total_rows + row]);
+    const Acc sink = p.sinks != nullptr ? Acc(p.sinks[row / p.lq] * kLog2e) : neg_inf<Acc>();
+    mx = max(mx, sink);
+    const Acc base = mx == neg_inf<Acc>() ? Acc(0) : mx;
+    Acc sum = softmax_exp2(sink - base);
+    for (int s = 0; s < p.splits; ++s) sum += softmax_exp2(gLse[s * total_rows + row] - base);
+    const bool any = sum > Acc(0);
+    const Acc lse2 = any ? base + log2_acc(sum) : neg_inf<Acc>();
+    T* out = static_cast<T*>(p.o) + row * p.dv;
+    for (int c = threadIdx.x; c < p.dv; c += blockDim.x) {
+        Acc o = 0;
+        if (any) {
+            for (int s = 0; s < p.splits; ++s) {
+                const Acc w = softmax_exp2(gLse[s * total_rows + row] - lse2);
+                o += w * gO[(s * total_rows + row) * p.dv + c];
+            }
+        }
+        out[c] = static_cast<T>(o);
+    }
+    if (threadIdx.x == 0) static_cast<Acc*>(p.lse)[row] = any ? lse2 / Acc(kLog2e) : neg_inf<Acc>();
+}
+
+}  // namespace flash
