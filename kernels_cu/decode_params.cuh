@@ -14,7 +14,7 @@ struct DecodeParams {
     const void* q;             // (B, Hq, Lq, D), last axis contiguous
     const void* k;             // contiguous (B, Hk, Lmax, D) or paged (num_blocks, Hk, page, D)
     const void* v;             // likewise with Dv
-    const i32* keys;           // (B): keys each sequence attends (valid cache + appended)
+    const i32* keys;           // (B): keys each sequence attends (valid cache + appended); nullptr: keys_all
     const i32* block_table;    // (B, max_blocks) physical block of each logical one; nullptr: contiguous
     const double* alibi;       // (B, Hq) contiguous slopes; nullptr if none
     const double* sinks;       // (B, Hq) contiguous sink logits; nullptr if none
@@ -36,6 +36,7 @@ struct DecodeParams {
     i32 page;                  // keys a block of the paged cache (0: contiguous)
     i32 splits;                // blocks over each sequence's keys (grid y)
     i32 split_keys;            // keys a split, a multiple of the tile's keys
+    i32 keys_all;              // every sequence's keys where `keys` is nullptr
 };
 
 #ifdef FLASH_DECODE_PARAMS_SIZE

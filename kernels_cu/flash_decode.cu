@@ -1,22 +1,25 @@
 // Decoding: a few query rows against a long key/value cache, split over the keys (split-KV),
 // then the splits' partial results merged.
 //
-// decode_split<T, HK, HV, ROWS, SMEM_BYTES>: grid (B * Hk, splits). Block (b, hk, split) holds
-//   every query row that reads KV head hk, the G = Hq / Hk query heads of its group times Lq
-//   positions (row r = g * Lq + i, ROWS >= G * Lq), so each K and V tile is read from memory
-//   once per group. It walks its split's keys a tile of kKeys at a time with kStages - 1 tiles
-//   of cp.async copies in flight, keeps each row's online softmax (running max m, sum l and an
-//   unnormalised O) and writes O / l and m + log2(l) for its split.
+// Both split kernels: grid (B * Hk, splits). Block (b, hk, split) holds every query row that
+// reads KV head hk, the G = Hq / Hk query heads of its group times Lq positions (row
+// r = g * Lq + i, G * Lq <= 16), so each K and V tile is read from memory once per group; it
+// keeps each row's online softmax (running max m, sum l and an unnormalised O) over its
+// split's keys and writes O / l and m + log2(l).
+//   decode_split_mma<T, HK, HV, SMEM_BYTES> (float16, bfloat16): each warp walks its own
+//     16-key tiles (warp w takes tiles w, w + 4, ...) through its own cp.async stages, with
+//     S = Q K^T and O += P V on mma.sync (the 16 rows are one m16 tile) and no block barrier
+//     in the loop; the four warps' softmax states are merged once at the end.
+//   decode_split<T, HK, HV, ROWS, SMEM_BYTES> (float32, float64): the block walks kKeys-key
+//     tiles together on the CUDA cores in the accumulator type (float32 inputs keep float32
+//     products; tensor-core TF32 would not).
 // decode_merge<T>: one block per query row: lse = log-sum-exp over the splits' and the sink's,
 //   O = sum over splits of O_s 2^(lse_s - lse).
 //
-// The products are a few FMAs per byte read (G * Lq rows against each key), far under the
-// tensor cores' reach and under the CUDA cores' too: they run on the CUDA cores in the
-// accumulator type (float; double for float64), which also serves every input dtype.
-// Scores are kept in the log2 domain (q is scaled by scale * log2(e) once) so the softmax
-// uses exp2.
+// Scores are kept in the log2 domain (scale * log2(e) folded in once) so the softmax uses exp2.
 #include "copy.cuh"
 #include "decode_params.cuh"
+#include "mma/f16.cuh"
 #include "numeric.cuh"
 
 namespace flash {
@@ -77,6 +80,55 @@ __device__ __forceinline__ const T* cache_row(const DecodeParams& p, const T* ba
     return base + block * sb + hk * sh + (key % p.page) * sr;
 }
 
+// Where row r (< rows; r = g Lq + i) of block (b, hk) may look: keys [lo, hi), its diagonal
+// key pos = i + keys - Lq (bottom-right causal and windows are measured from it) and its
+// ALiBi slope * log2(e). Rows past `rows` see no key.
+struct DecodeRow {
+    int lo, hi, pos;
+    double slope;
+};
+
+__device__ __forceinline__ DecodeRow decode_row(const DecodeParams& p, int b, int hk, int r, int rows, int keys) {
+    i64 lo = 0, hi = 0, pos = 0;
+    double slope = 0.0;
+    if (r < rows) {
+        const int group = p.hq / p.hk, i = r % p.lq, hq = hk * group + r / p.lq;
+        pos = i64(i) + keys - p.lq;
+        hi = keys;
+        if (p.causal == kBottomRight) hi = min(hi, pos + 1);
+        if (p.causal == kTopLeft) hi = min(hi, i64(i) + 1);
+        if (p.window_right >= 0) hi = min(hi, pos + p.window_right + 1);
+        if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
+        if (p.alibi != nullptr) slope = p.alibi[i64(b) * p.hq + hq] * kLog2e;
+    }
+    return DecodeRow{int(min(lo, i64(keys))), int(max(hi, i64(0))), int(pos), slope};
+}
+
+// The keys a block reads: its split's [split * split_keys, + split_keys) within the union of
+// its rows' ranges (lo >= hi: none).
+__device__ __forceinline__ void decode_block_keys(const DecodeParams& p, const int* sLo, const int* sHi, int rows,
+                                                  int keys, int& lo, int& hi) {
+    lo = keys;
+    hi = 0;
+    for (int r = 0; r < rows; ++r) {
+        if (sLo[r] < sHi[r]) {
+            lo = min(lo, sLo[r]);
+            hi = max(hi, sHi[r]);
+        }
+    }
+    lo = int(max(i64(lo), i64(blockIdx.y) * p.split_keys));
+    hi = int(min(i64(hi), i64(blockIdx.y + 1) * p.split_keys));
+}
+
+// A score in log2 units from q . k times q_mul: softcap, ALiBi, then the row's key range.
+template <typename Acc>
+__device__ __forceinline__ Acc decode_score(Acc x, bool softcap, Acc cap_log2, Acc slope, int pos, int lo, int hi,
+                                            int key) {
+    if (softcap) x = cap_log2 * tanh_acc(x);
+    x -= slope * Acc(pos > key ? pos - key : key - pos);
+    return key >= lo && key < hi ? x : neg_inf<Acc>();
+}
+
 template <typename T, int HK, int HV, int ROWS, int SMEM_BYTES>
 __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
     using Shape = DecodeShape<T, HK, HV, ROWS>;
@@ -102,7 +154,7 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int b = blockIdx.x / p.hk, hk = blockIdx.x % p.hk, split = blockIdx.y;
     const int group = p.hq / p.hk, rows = group * p.lq;
-    const int keys = p.keys[b];
+    const int keys = p.keys != nullptr ? p.keys[b] : p.keys_all;
     const i64 total_rows = i64(p.batch) * p.hq * p.lq;
     const i64 row0 = (i64(b) * p.hq + i64(hk) * group) * p.lq;  // the block's first row of out
     const T* gQ = static_cast<const T*>(p.q);
@@ -115,24 +167,13 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
     const Acc cap_log2 = Acc(p.softcap * kLog2e);
 
     for (int r = tid; r < ROWS; r += THREADS) {
-        i64 lo = 0, hi = 0, pos = 0;
-        Acc slope = 0;
-        if (r < rows) {
-            const int i = r % p.lq, hq = hk * group + r / p.lq;
-            pos = i64(i) + keys - p.lq;
-            hi = keys;
-            if (p.causal == kBottomRight) hi = min(hi, pos + 1);
-            if (p.causal == kTopLeft) hi = min(hi, i64(i) + 1);
-            if (p.window_right >= 0) hi = min(hi, pos + p.window_right + 1);
-            if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
-            if (p.alibi != nullptr) slope = Acc(p.alibi[i64(b) * p.hq + hq] * kLog2e);
-        }
-        sLo[r] = int(min(lo, i64(keys)));
-        sHi[r] = int(max(hi, i64(0)));
-        sPos[r] = int(pos);
+        const DecodeRow row = decode_row(p, b, hk, r, rows, keys);
+        sLo[r] = row.lo;
+        sHi[r] = row.hi;
+        sPos[r] = row.pos;
+        sSlope[r] = Acc(row.slope);
         sM[r] = neg_inf<Acc>();
         sL[r] = Acc(0);
-        sSlope[r] = slope;
     }
     for (int e = tid; e < ROWS * HK; e += THREADS) {
         const int r = e / HK, c = e % HK;
@@ -145,16 +186,8 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
     }
     __syncthreads();
 
-    // The block's keys: its split's, within the union of its rows' ranges.
-    int lo = keys, hi = 0;
-    for (int r = 0; r < rows; ++r) {
-        if (sLo[r] < sHi[r]) {
-            lo = min(lo, sLo[r]);
-            hi = max(hi, sHi[r]);
-        }
-    }
-    lo = int(max(i64(lo), i64(split) * p.split_keys));
-    hi = int(min(i64(hi), i64(split + 1) * p.split_keys));
+    int lo, hi;
+    decode_block_keys(p, sLo, sHi, rows, keys, lo, hi);
     const int tiles = hi > lo ? (hi - lo + KEYS - 1) / KEYS : 0;
 
     // Tile t's keys [lo + t KEYS, ...) into stage s: rows past hi and columns past d (dv) zero.
@@ -228,11 +261,7 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 if (!owner || r % SPLIT != part) continue;
-                Acc x = rS[r];
-                if (softcap) x = cap_log2 * tanh_acc(x);
-                const int dist = sPos[r] > key ? sPos[r] - key : key - sPos[r];
-                x -= sSlope[r] * Acc(dist);
-                sS[r * KEYS + kk] = key >= sLo[r] && key < sHi[r] ? x : neg_inf<Acc>();
+                sS[r * KEYS + kk] = decode_score(rS[r], softcap, cap_log2, sSlope[r], sPos[r], sLo[r], sHi[r], key);
             }
         }
         __syncthreads();
@@ -320,6 +349,236 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
         gLse[r] = l > Acc(0) ? sM[r] + log2_acc(l) : neg_inf<Acc>();
     }
 }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800  // mma.sync m16n8k16 and ldmatrix: sm_80+
+
+// The tile shapes and shared-memory layout of decode_split_mma (16-bit inputs), decided here
+// once; the host (flashcupy/cuda/decode.py) launches with SMEM_BYTES = kBytes.
+template <typename T, int HK, int HV>
+struct DecodeMmaShape {
+    static constexpr int kWarps = 4;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kRows = 16;  // one m16 row tile holds the block's G * Lq rows
+    static constexpr int kKeys = 16;  // keys a warp's tile
+    static constexpr int kVec = 16 / int(sizeof(T));
+    // Stages a warp: two tiles in flight behind the one in use, two at D 256 (the block's
+    // shared memory stays under one SM's).
+    static constexpr int kStages = HK + HV > 256 ? 2 : 3;
+    // Row pitches in elements: one 16-byte chunk of padding, so ldmatrix's 8 rows of a phase
+    // start in distinct banks.
+    static constexpr int kLdK = HK + kVec, kLdV = HV + kVec;
+    static constexpr int kStageBytes = kKeys * (kLdK + kLdV) * int(sizeof(T));
+    static constexpr int kWarpBytes = kStages * kStageBytes;
+    static constexpr int kTilesBytes = kWarps * kWarpBytes;
+    // After the loop: each warp's O (kRows, HV), m and l (kRows) in float, over the stages.
+    static constexpr int kMergeBytes = kWarps * kRows * (HV + 2) * 4;
+    static constexpr int kQOffset = kTilesBytes > kMergeBytes ? kTilesBytes : kMergeBytes;
+    static constexpr int kRowOffset = kQOffset + kRows * kLdK * int(sizeof(T));
+    // Per row: ALiBi slope (float), lo, hi, pos (int).
+    static constexpr int kBytes = kRowOffset + kRows * 4 * 4;
+
+    static_assert(sizeof(T) == 2, "mma.sync m16n8k16 takes 16-bit inputs");
+    static_assert(HK % 16 == 0 && HV % 16 == 0, "m16n8k16 tiles");
+    static_assert(kBytes <= 227 * 1024, "shared memory of one block on sm_90");
+};
+
+template <typename T, int HK, int HV, int SMEM_BYTES>
+__global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
+    using Shape = DecodeMmaShape<T, HK, HV>;
+    using Mma = MmaF16<T, 1>;
+    constexpr int WARPS = Shape::kWarps, KEYS = Shape::kKeys, STAGES = Shape::kStages, VEC = Shape::kVec;
+    constexpr int ROWS = Shape::kRows, LDK = Shape::kLdK, LDV = Shape::kLdV;
+    static_assert(SMEM_BYTES == Shape::kBytes, "the host launches with the kernel's shared memory");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* sQ = reinterpret_cast<T*>(smem + Shape::kQOffset);            // (ROWS, LDK) q, zero past rows and d
+    float* sSlope = reinterpret_cast<float*>(smem + Shape::kRowOffset);
+    int* sLo = reinterpret_cast<int*>(sSlope + ROWS);
+    int* sHi = sLo + ROWS;
+    int* sPos = sHi + ROWS;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int b = blockIdx.x / p.hk, hk = blockIdx.x % p.hk, split = blockIdx.y;
+    const int group = p.hq / p.hk, rows = group * p.lq;
+    const int keys = p.keys != nullptr ? p.keys[b] : p.keys_all;
+    const i64 total_rows = i64(p.batch) * p.hq * p.lq;
+    const i64 row0 = (i64(b) * p.hq + i64(hk) * group) * p.lq;
+    const T* gQ = static_cast<const T*>(p.q);
+    const T* gK = static_cast<const T*>(p.k);
+    const T* gV = static_cast<const T*>(p.v);
+    const bool softcap = p.softcap != 0.0;
+    const float q_mul = float(softcap ? p.scale / p.softcap : p.scale * kLog2e);
+    const float cap_log2 = float(p.softcap * kLog2e);
+
+    if (tid < ROWS) {
+        const DecodeRow row = decode_row(p, b, hk, tid, rows, keys);
+        sLo[tid] = row.lo;
+        sHi[tid] = row.hi;
+        sPos[tid] = row.pos;
+        sSlope[tid] = float(row.slope);
+    }
+    for (int e = tid; e < ROWS * LDK; e += Shape::kThreads) {
+        const int r = e / LDK, c = e % LDK;
+        T x = T(0.0f);
+        if (r < rows && c < p.d) {
+            const int i = r % p.lq, hq = hk * group + r / p.lq;
+            x = gQ[i64(b) * p.q_sb + i64(hq) * p.q_sh + i64(i) * p.q_sr + c];
+        }
+        sQ[e] = x;
+    }
+    __syncthreads();
+    int lo, hi;
+    decode_block_keys(p, sLo, sHi, rows, keys, lo, hi);
+    const int tiles = hi > lo ? (hi - lo + KEYS - 1) / KEYS : 0;
+    const int mine = tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0;  // tiles warp, warp + WARPS, ...
+
+    // This warp's n-th tile into stage s: lane l copies half of key row l / 2 of K and of V,
+    // keys past hi and columns past d (dv) zero.
+    unsigned char* sWarp = smem + warp * Shape::kWarpBytes;
+    auto load_tile = [&](int n, int s) {
+        T* sK = reinterpret_cast<T*>(sWarp + s * Shape::kStageBytes);
+        T* sV = sK + KEYS * LDK;
+        const int kk = lane / 2, key = lo + (warp + n * WARPS) * KEYS + kk;
+        const bool valid = key < hi;
+        const T* k_row = valid ? cache_row(p, gK, p.k_sb, p.k_sh, p.k_sr, b, hk, key) : gK;
+        const T* v_row = valid ? cache_row(p, gV, p.v_sb, p.v_sh, p.v_sr, b, hk, key) : gV;
+#pragma unroll
+        for (int ch = lane % 2; ch < HK / VEC; ch += 2) {
+            const bool ok = valid && ch * VEC < p.d;
+            cp_async_16(sK + kk * LDK + ch * VEC, ok ? k_row + ch * VEC : gK, ok);
+        }
+#pragma unroll
+        for (int ch = lane % 2; ch < HV / VEC; ch += 2) {
+            const bool ok = valid && ch * VEC < p.dv;
+            cp_async_16(sV + kk * LDV + ch * VEC, ok ? v_row + ch * VEC : gV, ok);
+        }
+    };
+#pragma unroll
+    for (int n = 0; n < STAGES - 1; ++n) {
+        if (n < mine) load_tile(n, n);
+        cp_async_commit();
+    }
+
+    // Accumulator fragments: lane holds rows g = lane / 4 and g + 8, columns 2 (lane % 4) (+1)
+    // of each 8-wide tile: S (16, 16), O (16, HV).
+    const int g = lane / 4, t2 = 2 * (lane % 4);
+    float rO[1][HV / 8][4];
+    zero_acc(rO);
+    float m[2] = {neg_inf<float>(), neg_inf<float>()}, l[2] = {0.0f, 0.0f};
+    const float slope[2] = {sSlope[g], sSlope[g + 8]};
+    const int pos[2] = {sPos[g], sPos[g + 8]}, rlo[2] = {sLo[g], sLo[g + 8]}, rhi[2] = {sHi[g], sHi[g + 8]};
+
+    for (int n = 0; n < mine; ++n) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();  // the tile's rows, copied by every lane, seen by all; the stage refilled below is free
+        if (n + STAGES - 1 < mine) load_tile(n + STAGES - 1, (n + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const T* sK = reinterpret_cast<const T*>(sWarp + (n % STAGES) * Shape::kStageBytes);
+        const T* sV = sK + KEYS * LDK;
+        const int k0 = lo + (warp + n * WARPS) * KEYS;
+
+        float rS[1][KEYS / 8][4];  // S = Q K^T (16, 16)
+        zero_acc(rS);
+        Mma::template qk<HK, KEYS, LDK, LDK>(sQ, sK, rS);
+        float mx[2] = {neg_inf<float>(), neg_inf<float>()};
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2, key = k0 + 8 * j + t2 + e % 2;
+                rS[0][j][e] = decode_score(rS[0][j][e] * q_mul, softcap, cap_log2, slope[h], pos[h], rlo[h], rhi[h], key);
+                mx[h] = max(mx[h], rS[0][j][e]);
+            }
+        // m' = max(m, the row's max over the quad's lanes); P = exp2(S - m'); alpha = exp2(m - m').
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = max(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = max(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float m_new = max(m[h], mx[h]);
+            const float base = m_new == neg_inf<float>() ? 0.0f : m_new;
+            alpha[h] = softmax_exp2(m[h] - base);
+            m[h] = m_new;
+            mx[h] = base;
+        }
+        float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                rS[0][j][e] = softmax_exp2(rS[0][j][e] - mx[e / 2]);
+                sum[e / 2] += rS[0][j][e];
+            }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];  // this lane's columns; the quad sums at the end
+#pragma unroll
+        for (int j = 0; j < HV / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) rO[0][j][e] *= alpha[e / 2];
+        typename Mma::template PFrag<KEYS> rP;  // P in T, an A fragment (16, 16)
+        Mma::template pack_p<KEYS>(rS, rP);
+        Mma::template pv<KEYS, HV, LDV>(rP, sV, rO);
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+    __syncthreads();  // every warp is done with its stages: they hold the merge now
+
+    // Each warp's (m, l, O) to shared memory, then per row: M = max_w m_w, weights 2^(m_w - M),
+    // O = sum_w O_w 2^(m_w - M) / L with L = sum_w l_w 2^(m_w - M), in a fixed order.
+    float* sO = reinterpret_cast<float*>(smem);   // (WARPS, ROWS, HV)
+    float* sM = sO + WARPS * ROWS * HV;           // (WARPS, ROWS)
+    float* sL = sM + WARPS * ROWS;
+#pragma unroll
+    for (int j = 0; j < HV / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sO[(warp * ROWS + g + 8 * (e / 2)) * HV + 8 * j + t2 + e % 2] = rO[0][j][e];
+    if (lane % 4 == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            sM[warp * ROWS + g + 8 * h] = m[h];
+            sL[warp * ROWS + g + 8 * h] = l[h];
+        }
+    }
+    __syncthreads();
+    float* gO = static_cast<float*>(p.o_part) + (i64(split) * total_rows + row0) * p.dv;
+    float* gLse = static_cast<float*>(p.lse_part) + i64(split) * total_rows + row0;
+    // Row r's merge weights of the warps, 2^(m_w - M) with M the row's max (0 where every m_w
+    // is -inf); returns L = sum_w l_w 2^(m_w - M) and sets `base` to M.
+    auto weights = [&](int r, float (&wgt)[WARPS], float& base) {
+        float mr = neg_inf<float>();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mr = max(mr, sM[w * ROWS + r]);
+        base = mr == neg_inf<float>() ? 0.0f : mr;
+        float lr = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            wgt[w] = softmax_exp2(sM[w * ROWS + r] - base);
+            lr += wgt[w] * sL[w * ROWS + r];
+        }
+        return lr;
+    };
+    for (int e = tid; e < ROWS * HV; e += Shape::kThreads) {
+        const int r = e / HV, c = e % HV;
+        if (r >= rows || c >= p.dv) continue;
+        float wgt[WARPS], base;
+        const float lr = weights(r, wgt, base);
+        float o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) o += wgt[w] * sO[(w * ROWS + r) * HV + c];
+        gO[i64(r) * p.dv + c] = lr > 0.0f ? o / lr : 0.0f;
+    }
+    for (int r = tid; r < rows; r += Shape::kThreads) {
+        float wgt[WARPS], base;
+        const float lr = weights(r, wgt, base);
+        gLse[r] = lr > 0.0f ? base + log2_acc(lr) : neg_inf<float>();
+    }
+}
+
+#endif  // sm_80+
 
 // The splits' results of one query row merged, with the row's sink: lse2 = log2(2^sink +
 // sum_s 2^lse2_s), O = sum_s O_s 2^(lse2_s - lse2). A split without keys has lse2_s = -inf and

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..problem import Problem, accumulator_dtype
-from . import _empty
+from . import _empty, device_limits
 from . import params as P
 from .compile import get_function
 from .spec import CXX_TYPE
@@ -37,10 +37,25 @@ def _dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
+#: Warps of decode_split_mma and keys a warp's tile: a block steps over WARPS * 16 keys.
+MMA_WARPS, MMA_KEYS = 4, 16
+
+
+@functools.cache
+def mma_shape(hk: int, hv: int) -> tuple[int, int]:
+    """(keys a block's step, shared-memory bytes) of decode_split_mma<T, hk, hv> (16-bit T), as
+    DecodeMmaShape works them out (the kernel checks the bytes against its own)."""
+    stages = 2 if hk + hv > 256 else 3
+    ldk, ldv = hk + 8, hv + 8
+    tiles = MMA_WARPS * stages * MMA_KEYS * (ldk + ldv) * 2
+    merge = MMA_WARPS * 16 * (hv + 2) * 4
+    return MMA_WARPS * MMA_KEYS, max(tiles, merge) + 16 * ldk * 2 + 16 * 4 * 4
+
+
 @functools.cache
 def tile_shape(dtype_name: str, hk: int, hv: int, rows: int) -> tuple[int, int]:
-    """(keys a tile, shared-memory bytes) of decode_split<T, hk, hv, rows>, as DecodeShape
-    works them out (the kernel checks the bytes against its own at compile time)."""
+    """(keys a tile, shared-memory bytes) of decode_split<T, hk, hv, rows> (float32, float64),
+    as DecodeShape works them out (the kernel checks the bytes against its own)."""
     size = np.dtype(np.float16 if dtype_name == "bfloat16" else dtype_name).itemsize
     acc = 8 if dtype_name == "float64" else 4
     vec = 16 // size
@@ -59,6 +74,20 @@ def _rows(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
 
 
+@functools.cache
+def plan(dtype: np.dtype, d: int, dv: int, rows: int, device_id: int) -> tuple[str, int, int]:
+    """(decode kernel's name expression, keys a step of its key loop, shared-memory bytes) for
+    head dims d, dv and G * Lq rows on a device: mma.sync for float16 and bfloat16 on sm_80+,
+    the CUDA-core kernel otherwise."""
+    name = _dtype_name(dtype)
+    hk, hv = _padded(d), _padded(dv)
+    if np.dtype(dtype).itemsize == 2 and device_limits(device_id)[0] >= 80:
+        tile, smem = mma_shape(hk, hv)
+        return f"flash::decode_split_mma<{CXX_TYPE[name]}, {hk}, {hv}, {smem}>", tile, smem
+    tile, smem = tile_shape(name, hk, hv, _rows(rows))
+    return f"flash::decode_split<{CXX_TYPE[name]}, {hk}, {hv}, {_rows(rows)}, {smem}>", tile, smem
+
+
 def unsupported(q: Any, k_cache: Any, v_cache: Any, pb: Problem) -> str | None:
     """Why the decode kernels cannot run this call (None: they can). q: (B, Hq, Lq, D) CuPy;
     the caches as flash_attention_with_kvcache takes them; ``pb`` the call's validated problem."""
@@ -75,6 +104,9 @@ def unsupported(q: Any, k_cache: Any, v_cache: Any, pb: Problem) -> str | None:
             return f"{name}'s layout (16-byte aligned rows with a contiguous last axis wanted)"
     if pb.bias is not None or pb.mask is not None or pb.block_mask is not None or pb.dropout_p > 0:
         return "a bias, mask, block mask or dropout"
+    smem = plan(pb.dtype, q.shape[-1], v_cache.shape[-1], rows, q.device.id)[2]
+    if smem > device_limits(q.device.id)[1]:
+        return f"{smem} bytes of shared memory a block (the GPU allows {device_limits(q.device.id)[1]})"
     return None
 
 
@@ -98,21 +130,19 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: np.ndarr
 
     keys: host (B,) ints, the keys each sequence attends; table: host (B, max_blocks) ints,
     in range where used (paged), or None (contiguous); num_splits: 0 to choose, else at most
-    one split per tile of keys is kept. Options (scale, causal, window, ALiBi, softcap,
-    sinks) come from ``pb``.
+    one split per step of the key loop (64 keys on tensor cores) is kept. Options (scale,
+    causal, window, ALiBi, softcap, sinks) come from ``pb``.
     """
     import cupy as cp
 
     batch, hq, lq, d = q.shape
     hk, dv = k_cache.shape[1], v_cache.shape[-1]
-    name = _dtype_name(pb.dtype)
     acc = accumulator_dtype(pb.dtype)
     out = _empty((batch, hq, lq, dv), pb.dtype, cp)
     lse = _empty((batch, hq, lq), acc, cp)
     if out.size == 0 and lse.size == 0:
         return out, lse
-    hk_t, hv_t, rows_t = _padded(d), _padded(dv), _rows(pb.group_size * lq)
-    tile, smem = tile_shape(name, hk_t, hv_t, rows_t)
+    split_name, tile, smem = plan(pb.dtype, d, dv, pb.group_size * lq, q.device.id)
     device_id = q.device.id
     max_keys = int(keys.max()) if batch else 0
     if num_splits <= 0:
@@ -124,16 +154,21 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: np.ndarr
 
     if q.strides[-1] != q.itemsize:
         q = cp.ascontiguousarray(q)
-    keys_dev = cp.asarray(keys.astype(np.int32))
     o_part = _empty((num_splits, batch * hq * lq, dv), acc, cp)
     lse_part = _empty((num_splits, batch * hq * lq), acc, cp)
-    keep = [keys_dev]
-    fields = dict(q=q.data.ptr, k=k_cache.data.ptr, v=v_cache.data.ptr, keys=keys_dev.data.ptr,
+    keep = []
+    fields = dict(q=q.data.ptr, k=k_cache.data.ptr, v=v_cache.data.ptr,
                   o_part=o_part.data.ptr, lse_part=lse_part.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
                   scale=pb.scale, softcap=pb.softcap or 0.0, batch=batch, hq=hq, hk=hk, lq=lq, d=d, dv=dv,
                   causal=P.CAUSAL_CODE[pb.causal], page=0, splits=num_splits, split_keys=split_keys)
     for prefix, x in (("q", q), ("k", k_cache), ("v", v_cache)):
         fields[f"{prefix}_sb"], fields[f"{prefix}_sh"], fields[f"{prefix}_sr"] = (s // x.itemsize for s in x.strides[:3])
+    if batch and (keys == max_keys).all():  # one length: a scalar, no copy to the device
+        fields["keys_all"] = max_keys
+    else:
+        keys_dev = cp.asarray(keys.astype(np.int32))
+        keep.append(keys_dev)
+        fields["keys"] = keys_dev.data.ptr
     left, right = pb.window if pb.window is not None else (None, None)
     fields["window_left"] = -1 if left is None else min(left, 2**31 - 1)
     fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
@@ -150,8 +185,7 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: np.ndarr
         keep.append(sinks)
         fields["sinks"] = sinks.data.ptr
     block = P.pack(P.DECODE_PARAMS_DTYPE, **fields)
-    split_fn = get_function("decode", f"flash::decode_split<{CXX_TYPE[name]}, {hk_t}, {hv_t}, {rows_t}, {smem}>",
-                            device_id, smem)
+    split_fn = get_function("decode", split_name, device_id, smem)
     merge_fn = get_function("decode", f"flash::decode_merge<{CXX_TYPE[name]}>", device_id)
     if batch * hk:
         split_fn((batch * hk, num_splits), (THREADS,), (block,), shared_mem=smem)

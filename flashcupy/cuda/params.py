@@ -54,7 +54,7 @@ DECODE_PARAMS_DTYPE = np.dtype(
     + [(n, np.int64) for n in ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_sr", "bt_sb")]
     + [("scale", np.float64), ("softcap", np.float64)]
     + [(n, np.int32) for n in ("batch", "hq", "hk", "lq", "d", "dv", "causal", "window_left", "window_right",
-                               "page", "splits", "split_keys")],
+                               "page", "splits", "split_keys", "keys_all")],
     align=True,
 )
 
