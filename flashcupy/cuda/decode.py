@@ -10,7 +10,6 @@ this path takes; :mod:`flashcupy.kvcache` sends the others to the general forwar
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import numpy as np
@@ -186,7 +185,7 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: np.ndarr
         fields["sinks"] = sinks.data.ptr
     block = P.pack(P.DECODE_PARAMS_DTYPE, **fields)
     split_fn = get_function("decode", split_name, device_id, smem)
-    merge_fn = get_function("decode", f"flash::decode_merge<{CXX_TYPE[name]}>", device_id)
+    merge_fn = get_function("decode", f"flash::decode_merge<{CXX_TYPE[_dtype_name(pb.dtype)]}>", device_id)
     if batch * hk:
         split_fn((batch * hk, num_splits), (THREADS,), (block,), shared_mem=smem)
     merge_fn((batch * hq * lq,), (THREADS,), (block,))
