@@ -382,6 +382,28 @@ struct DecodeMmaShape {
     static_assert(kBytes <= 227 * 1024, "shared memory of one block on sm_90");
 };
 
+// Rows k0 .. k0 + KEYS - 1 (those below hi; the rest zero) of a K or V cache, H columns (those
+// below cols; the rest zero), into dst with a pitch of ld elements, by one warp: each copy
+// instruction covers whole rows (32 / chunks-a-row of them), so L2 sees full 128-byte lines
+// rather than a sector of each of 16 rows. The rows are one run of memory, stepped by the row
+// stride, unless a paged tile crosses a block boundary.
+template <typename T, int H, int KEYS>
+__device__ __forceinline__ void copy_rows(const DecodeParams& p, T* dst, int ld, const T* base, i64 sb, i64 sh,
+                                          i64 sr, int cols, int b, int hk, int k0, int hi) {
+    constexpr int VEC = 16 / int(sizeof(T)), CPR = H / VEC, RPI = 32 / CPR;  // chunks a row, rows an instruction
+    static_assert(CPR <= 32 && KEYS % RPI == 0, "whole rows an instruction");
+    const int lane = threadIdx.x % 32, ch = lane % CPR, r0 = lane / CPR;
+    const bool run = p.block_table == nullptr || k0 / p.page == (k0 + KEYS - 1) / p.page;
+    const T* first = cache_row(p, base, sb, sh, sr, b, hk, k0) + ch * VEC;
+#pragma unroll
+    for (int i = 0; i < KEYS / RPI; ++i) {
+        const int r = r0 + i * RPI, key = k0 + r;
+        const bool ok = key < hi && ch * VEC < cols;
+        const T* src = !ok ? base : run ? first + r * sr : cache_row(p, base, sb, sh, sr, b, hk, key) + ch * VEC;
+        cp_async_16(dst + r * ld + ch * VEC, src, ok);
+    }
+}
+
 template <typename T, int HK, int HV, int SMEM_BYTES>
 __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     using Shape = DecodeMmaShape<T, HK, HV>;
@@ -432,26 +454,13 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     const int tiles = hi > lo ? (hi - lo + KEYS - 1) / KEYS : 0;
     const int mine = tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0;  // tiles warp, warp + WARPS, ...
 
-    // This warp's n-th tile into stage s: lane l copies half of key row l / 2 of K and of V,
-    // keys past hi and columns past d (dv) zero.
+    // This warp's n-th tile of K and V into stage s.
     unsigned char* sWarp = smem + warp * Shape::kWarpBytes;
     auto load_tile = [&](int n, int s) {
         T* sK = reinterpret_cast<T*>(sWarp + s * Shape::kStageBytes);
-        T* sV = sK + KEYS * LDK;
-        const int kk = lane / 2, key = lo + (warp + n * WARPS) * KEYS + kk;
-        const bool valid = key < hi;
-        const T* k_row = valid ? cache_row(p, gK, p.k_sb, p.k_sh, p.k_sr, b, hk, key) : gK;
-        const T* v_row = valid ? cache_row(p, gV, p.v_sb, p.v_sh, p.v_sr, b, hk, key) : gV;
-#pragma unroll
-        for (int ch = lane % 2; ch < HK / VEC; ch += 2) {
-            const bool ok = valid && ch * VEC < p.d;
-            cp_async_16(sK + kk * LDK + ch * VEC, ok ? k_row + ch * VEC : gK, ok);
-        }
-#pragma unroll
-        for (int ch = lane % 2; ch < HV / VEC; ch += 2) {
-            const bool ok = valid && ch * VEC < p.dv;
-            cp_async_16(sV + kk * LDV + ch * VEC, ok ? v_row + ch * VEC : gV, ok);
-        }
+        const int k0 = lo + (warp + n * WARPS) * KEYS;
+        copy_rows<T, HK, KEYS>(p, sK, LDK, gK, p.k_sb, p.k_sh, p.k_sr, p.d, b, hk, k0, hi);
+        copy_rows<T, HV, KEYS>(p, sK + KEYS * LDK, LDV, gV, p.v_sb, p.v_sh, p.v_sr, p.dv, b, hk, k0, hi);
     };
 #pragma unroll
     for (int n = 0; n < STAGES - 1; ++n) {
@@ -465,6 +474,14 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     float rO[1][HV / 8][4];
     zero_acc(rO);
     float m[2] = {neg_inf<float>(), neg_inf<float>()}, l[2] = {0.0f, 0.0f};
+    // Q's A fragments, loaded once where registers allow (HK <= 128: 32 of them), else read
+    // from shared memory each tile.
+    constexpr bool kQInRegisters = HK <= 128;
+    u32 rQ[kQInRegisters ? HK / 16 : 1][4];
+    if constexpr (kQInRegisters) {
+#pragma unroll
+        for (int kk = 0; kk < HK / 16; ++kk) ldmatrix_x4(rQ[kk], sQ + (lane & 15) * LDK + 16 * kk + (lane >> 4) * 8);
+    }
     const float slope[2] = {sSlope[g], sSlope[g + 8]};
     const int pos[2] = {sPos[g], sPos[g + 8]}, rlo[2] = {sLo[g], sLo[g + 8]}, rhi[2] = {sHi[g], sHi[g + 8]};
 
@@ -479,7 +496,17 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
 
         float rS[1][KEYS / 8][4];  // S = Q K^T (16, 16)
         zero_acc(rS);
-        Mma::template qk<HK, KEYS, LDK, LDK>(sQ, sK, rS);
+        if constexpr (kQInRegisters) {
+#pragma unroll
+            for (int kk = 0; kk < HK / 16; ++kk) {
+                u32 rK[4];  // K rows 0-15: matrices (keys 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
+                ldmatrix_x4(rK, sK + ((lane & 7) + (lane >> 4) * 8) * LDK + 16 * kk + ((lane >> 3) & 1) * 8);
+                MmaF16Types<T>::mma(rS[0][0], rQ[kk], rK[0], rK[1]);
+                MmaF16Types<T>::mma(rS[0][1], rQ[kk], rK[2], rK[3]);
+            }
+        } else {
+            Mma::template qk<HK, KEYS, LDK, LDK>(sQ, sK, rS);
+        }
         float mx[2] = {neg_inf<float>(), neg_inf<float>()};
 #pragma unroll
         for (int j = 0; j < KEYS / 8; ++j)
