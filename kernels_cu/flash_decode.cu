@@ -382,24 +382,39 @@ struct DecodeMmaShape {
     static_assert(kBytes <= 227 * 1024, "shared memory of one block on sm_90");
 };
 
+// Where a warp's tile of keys k0 .. k0 + KEYS - 1 starts in the cache: the sequence (or, paged,
+// the physical block) and row of key k0, and whether the tile's rows are one run of memory
+// (always when contiguous; paged, unless the tile crosses a block boundary). One block-table
+// read a tile serves K and V.
+struct TileStart {
+    i64 block;
+    int row;
+    bool run;
+};
+
+template <int KEYS>
+__device__ __forceinline__ TileStart tile_start(const DecodeParams& p, int b, int k0) {
+    if (p.block_table == nullptr) return TileStart{b, k0, true};
+    const int row = k0 % p.page;
+    return TileStart{p.block_table[b * p.bt_sb + k0 / p.page], row, row + KEYS <= p.page};
+}
+
 // Rows k0 .. k0 + KEYS - 1 (those below hi; the rest zero) of a K or V cache, H columns (those
 // below cols; the rest zero), into dst with a pitch of ld elements, by one warp: each copy
 // instruction covers whole rows (32 / chunks-a-row of them), so L2 sees full 128-byte lines
-// rather than a sector of each of 16 rows. The rows are one run of memory, stepped by the row
-// stride, unless a paged tile crosses a block boundary.
+// rather than a sector of each of 16 rows.
 template <typename T, int H, int KEYS>
 __device__ __forceinline__ void copy_rows(const DecodeParams& p, T* dst, int ld, const T* base, i64 sb, i64 sh,
-                                          i64 sr, int cols, int b, int hk, int k0, int hi) {
+                                          i64 sr, int cols, int b, int hk, int k0, int hi, TileStart start) {
     constexpr int VEC = 16 / int(sizeof(T)), CPR = H / VEC, RPI = 32 / CPR;  // chunks a row, rows an instruction
     static_assert(CPR <= 32 && KEYS % RPI == 0, "whole rows an instruction");
     const int lane = threadIdx.x % 32, ch = lane % CPR, r0 = lane / CPR;
-    const bool run = p.block_table == nullptr || k0 / p.page == (k0 + KEYS - 1) / p.page;
-    const T* first = cache_row(p, base, sb, sh, sr, b, hk, k0) + ch * VEC;
+    const T* first = base + start.block * sb + hk * sh + i64(start.row) * sr + ch * VEC;
 #pragma unroll
     for (int i = 0; i < KEYS / RPI; ++i) {
         const int r = r0 + i * RPI, key = k0 + r;
         const bool ok = key < hi && ch * VEC < cols;
-        const T* src = !ok ? base : run ? first + r * sr : cache_row(p, base, sb, sh, sr, b, hk, key) + ch * VEC;
+        const T* src = !ok ? base : start.run ? first + r * sr : cache_row(p, base, sb, sh, sr, b, hk, key) + ch * VEC;
         cp_async_16(dst + r * ld + ch * VEC, src, ok);
     }
 }
@@ -451,6 +466,14 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     __syncthreads();
     int lo, hi;
     decode_block_keys(p, sLo, sHi, rows, keys, lo, hi);
+    // Keys every row sees, within the block's: a tile inside them, without softcap and ALiBi,
+    // takes S = scale q.k (no key of it is masked or past the split).
+    int all_lo = 0, all_hi = hi;
+    for (int r = 0; r < rows; ++r) {
+        all_lo = max(all_lo, sLo[r]);
+        all_hi = min(all_hi, sHi[r]);
+    }
+    const bool plain_block = !softcap && p.alibi == nullptr;
     const int tiles = hi > lo ? (hi - lo + KEYS - 1) / KEYS : 0;
     const int mine = tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0;  // tiles warp, warp + WARPS, ...
 
@@ -459,8 +482,9 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     auto load_tile = [&](int n, int s) {
         T* sK = reinterpret_cast<T*>(sWarp + s * Shape::kStageBytes);
         const int k0 = lo + (warp + n * WARPS) * KEYS;
-        copy_rows<T, HK, KEYS>(p, sK, LDK, gK, p.k_sb, p.k_sh, p.k_sr, p.d, b, hk, k0, hi);
-        copy_rows<T, HV, KEYS>(p, sK + KEYS * LDK, LDV, gV, p.v_sb, p.v_sh, p.v_sr, p.dv, b, hk, k0, hi);
+        const TileStart start = tile_start<KEYS>(p, b, k0);
+        copy_rows<T, HK, KEYS>(p, sK, LDK, gK, p.k_sb, p.k_sh, p.k_sr, p.d, b, hk, k0, hi, start);
+        copy_rows<T, HV, KEYS>(p, sK + KEYS * LDK, LDV, gV, p.v_sb, p.v_sh, p.v_sr, p.dv, b, hk, k0, hi, start);
     };
 #pragma unroll
     for (int n = 0; n < STAGES - 1; ++n) {
@@ -508,12 +532,15 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
             Mma::template qk<HK, KEYS, LDK, LDK>(sQ, sK, rS);
         }
         float mx[2] = {neg_inf<float>(), neg_inf<float>()};
+        const bool plain = plain_block && k0 >= all_lo && k0 + KEYS <= all_hi;  // no score needs more than the scale
 #pragma unroll
         for (int j = 0; j < KEYS / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2, key = k0 + 8 * j + t2 + e % 2;
-                rS[0][j][e] = decode_score(rS[0][j][e] * q_mul, softcap, cap_log2, slope[h], pos[h], rlo[h], rhi[h], key);
+                rS[0][j][e] = plain ? rS[0][j][e] * q_mul
+                                    : decode_score(rS[0][j][e] * q_mul, softcap, cap_log2, slope[h], pos[h], rlo[h],
+                                                   rhi[h], key);
                 mx[h] = max(mx[h], rS[0][j][e]);
             }
         // m' = max(m, the row's max over the quad's lanes); P = exp2(S - m'); alpha = exp2(m - m').
@@ -538,10 +565,12 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
             }
 #pragma unroll
         for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];  // this lane's columns; the quad sums at the end
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // a row's max moved
 #pragma unroll
-        for (int j = 0; j < HV / 8; ++j)
+            for (int j = 0; j < HV / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) rO[0][j][e] *= alpha[e / 2];
+                for (int e = 0; e < 4; ++e) rO[0][j][e] *= alpha[e / 2];
+        }
         typename Mma::template PFrag<KEYS> rP;  // P in T, an A fragment (16, 16)
         Mma::template pack_p<KEYS>(rS, rP);
         Mma::template pv<KEYS, HV, LDV>(rP, sV, rO);
