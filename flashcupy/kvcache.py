@@ -15,6 +15,7 @@ unaligned caches), and NumPy arrays, run :func:`flashcupy.flash_attention` with
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,18 @@ def _seqlens(cache_seqlens: Any, batch: int, capacity: int) -> np.ndarray:
         raise ValueError(f"cache_seqlens: expected values in [0, {capacity}] (the cache's capacity), "
                          f"received values in [{lens.min()}, {lens.max()}]")
     return lens
+
+
+@functools.lru_cache(maxsize=64)
+def _standin_cached(xp: Any, dtype: np.dtype, shape: tuple[int, ...], device: int) -> Any:
+    return xp.broadcast_to(xp.zeros((), dtype), shape)
+
+
+def _standin(xp: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """A zero-stride array of ``shape``: what validation reads of an array it will not see
+    (NumPy, or CuPy on the current device), made once per shape."""
+    device = -1 if xp is np else xp.cuda.Device().id
+    return _standin_cached(xp, np.dtype(dtype), tuple(shape), device)
 
 
 def _cuda_decode():
@@ -132,6 +145,7 @@ def flash_attention_with_kvcache(
         n_blocks, hk, block_size, _ = k_cache.shape
         _shape("v_cache", v_cache, (n_blocks, hk, block_size, None), "num_blocks, Hk, block_size, Dv like k_cache")
         table = host_array("block_table", block_table)
+        device_table = block_table if interop.is_gpu_array(block_table) and xp is not np else None
         if table.dtype.kind not in "iu":
             raise TypeError(f"block_table: expected integers, received dtype {dtype_name(table.dtype)}")
         _shape("block_table", table, (batch, None), "B, max_blocks")
@@ -172,24 +186,32 @@ def flash_attention_with_kvcache(
             raise ValueError(f"block_table: expected block numbers in [0, {n_blocks - 1}] in the slots the sequences "
                              f"use, received values in [{named.min()}, {named.max()}]")
         table = np.where(in_use, table, 0)
-    options = {"kv_lengths": total, "causal": causal, "scale": scale, "window": window, "alibi_slopes": alibi_slopes,
+    options = {"causal": causal, "scale": scale, "window": window, "alibi_slopes": alibi_slopes,
                "softcap": softcap, "sinks": sinks, "return_lse": return_lse, "allow_tf32": allow_tf32,
                "backend": backend}
-    # Every argument checked before the cache is written. A contiguous cache's problem is the
-    # attention's own, on views of the cache that will see the write; a paged one's is checked on
-    # stand-ins of the gathered keys' shapes (its option arrays moved where q is, as
-    # flash_attention will) and validated again on the gathered copy.
-    if paged:
-        runs_on = _api._backend(backend, q)
-        standin = lambda shape: xp.broadcast_to(xp.zeros((), q.dtype), shape)  # noqa: E731
-        make = make_host_problem if xp is np else make_device_problem
-        pb = make(q, standin((batch, hk, keys, d)), standin((batch, hk, keys, v_cache.shape[-1])), options)
-        prepared = None
+    # Every argument checked before the cache is written. The decode kernels' problem is the
+    # options on the whole cache's shape (a signature that stays put while the sequences grow:
+    # validated once, see problem.build; the kernels take the lengths themselves). Otherwise a
+    # contiguous cache's problem is the attention's own, on views of the cache that will see the
+    # write, and a paged one's is checked on stand-ins of the gathered keys' shapes (its option
+    # arrays moved where q is, as flash_attention will) and validated again on the gathered copy.
+    runs_on = _api._backend(backend, q)
+    decode = runs_on == "cuda" and xp is not np and _cuda_decode().unsupported(q, k_cache, v_cache) is None
+    prepared = None
+    if decode:
+        whole = (k_cache, v_cache) if not paged else (
+            _standin(xp, q.dtype, (batch, hk, capacity, d)), _standin(xp, q.dtype, (batch, hk, capacity, v_cache.shape[-1])))
+        pb = make_device_problem(q, *whole, options)
     else:
-        k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
-        prepared = _api._prepare(q, k_seq, v_seq, options)
-        pb, _, runs_on = prepared
-    decode = runs_on == "cuda" and xp is not np and _cuda_decode().unsupported(q, k_cache, v_cache, pb) is None
+        options["kv_lengths"] = total
+        if paged:
+            make = make_host_problem if xp is np else make_device_problem
+            pb = make(q, _standin(xp, q.dtype, (batch, hk, keys, d)),
+                      _standin(xp, q.dtype, (batch, hk, keys, v_cache.shape[-1])), options)
+        else:
+            k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
+            prepared = _api._prepare(q, k_seq, v_seq, options)
+            pb = prepared[0]
     if new:
         # (B, Lnew) positions; advanced indices around a slice put (B, Lnew) first: k as (B, Lnew, Hk, D)
         pos = lens[:, None] + np.arange(new)
@@ -200,6 +222,8 @@ def flash_attention_with_kvcache(
         k_cache[rows[0], :, rows[1]] = k.transpose(0, 2, 1, 3)
         v_cache[rows[0], :, rows[1]] = v.transpose(0, 2, 1, 3)
     if decode:
+        if paged and device_table is not None:  # the caller's own table: its slots in use were checked
+            table = device_table
         out, lse = _cuda_decode().decode(q, k_cache, v_cache, total, table if paged else None, pb, int(num_splits))
         return (out, lse) if pb.return_lse else out
     if paged:  # the blocks in use, gathered in logical order: (B, Hk, blocks * block_size, D)

@@ -87,12 +87,16 @@ def plan(dtype: np.dtype, d: int, dv: int, rows: int, device_id: int) -> tuple[s
     return f"flash::decode_split<{CXX_TYPE[name]}, {hk}, {hv}, {_rows(rows)}, {smem}>", tile, smem
 
 
-def unsupported(q: Any, k_cache: Any, v_cache: Any, pb: Problem) -> str | None:
-    """Why the decode kernels cannot run this call (None: they can). q: (B, Hq, Lq, D) CuPy;
-    the caches as flash_attention_with_kvcache takes them; ``pb`` the call's validated problem."""
-    if pb.dtype.name not in CXX_TYPE:
-        return f"dtype {pb.dtype.name}"
-    rows = pb.group_size * pb.seqlen_q
+def unsupported(q: Any, k_cache: Any, v_cache: Any) -> str | None:
+    """Why the decode kernels cannot run this call (None: they can), from its arrays alone:
+    q (B, Hq, Lq, D) CuPy; the caches (B or num_blocks, Hk, rows, D / Dv) as
+    flash_attention_with_kvcache takes them, checked already against q's batch and D."""
+    if q.dtype.name not in CXX_TYPE or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return f"dtype {q.dtype.name}"
+    hq, hk = q.shape[1], k_cache.shape[1]
+    if hk == 0 or hq % hk:
+        return f"{hq} query heads over {hk} key/value heads"
+    rows = hq // hk * q.shape[2]
     if rows > MAX_ROWS:
         return f"{rows} query rows a KV head (more than {MAX_ROWS})"
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -101,11 +105,10 @@ def unsupported(q: Any, k_cache: Any, v_cache: Any, pb: Problem) -> str | None:
         if name != "q" and (x.data.ptr % 16 or x.strides[-1] != x.itemsize
                             or any(s % 16 for n, s in zip(x.shape[:-1], x.strides[:-1]) if n > 1)):
             return f"{name}'s layout (16-byte aligned rows with a contiguous last axis wanted)"
-    if pb.bias is not None or pb.mask is not None or pb.block_mask is not None or pb.dropout_p > 0:
-        return "a bias, mask, block mask or dropout"
-    smem = plan(pb.dtype, q.shape[-1], v_cache.shape[-1], rows, q.device.id)[2]
-    if smem > device_limits(q.device.id)[1]:
-        return f"{smem} bytes of shared memory a block (the GPU allows {device_limits(q.device.id)[1]})"
+    limit = device_limits(q.device.id)[1]
+    smem = plan(q.dtype, q.shape[-1], v_cache.shape[-1], rows, q.device.id)[2]
+    if smem > limit:
+        return f"{smem} bytes of shared memory a block (the GPU allows {limit})"
     return None
 
 
@@ -123,12 +126,12 @@ def choose_splits(blocks: int, max_keys: int, sms: int) -> int:
     return max(1, min(want, max_keys // MIN_SPLIT_KEYS))
 
 
-def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: np.ndarray | None, pb: Problem,
+def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb: Problem,
            num_splits: int) -> tuple[Any, Any]:
     """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of q against the caches, CuPy arrays.
 
-    keys: host (B,) ints, the keys each sequence attends; table: host (B, max_blocks) ints,
-    in range where used (paged), or None (contiguous); num_splits: 0 to choose, else at most
+    keys: host (B,) ints, the keys each sequence attends; table: (B, max_blocks) ints, host
+    or device, in range in the slots the sequences use (paged), or None (contiguous); num_splits: 0 to choose, else at most
     one split per step of the key loop (64 keys on tensor cores) is kept. Options (scale,
     causal, window, ALiBi, softcap, sinks) come from ``pb``.
     """
@@ -171,10 +174,12 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: np.ndarr
     left, right = pb.window if pb.window is not None else (None, None)
     fields["window_left"] = -1 if left is None else min(left, 2**31 - 1)
     fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
-    if table is not None:
-        table_dev = cp.asarray(np.ascontiguousarray(table, dtype=np.int32))
-        keep.append(table_dev)
-        fields.update(block_table=table_dev.data.ptr, bt_sb=table_dev.shape[1], page=k_cache.shape[2])
+    if table is not None:  # the caller's device table as it is where its layout allows
+        if not (isinstance(table, cp.ndarray) and table.dtype == np.int32 and table.strides[-1] == 4
+                and table.strides[0] % 4 == 0):
+            table = cp.ascontiguousarray(cp.asarray(table).astype(np.int32, copy=False))
+        keep.append(table)
+        fields.update(block_table=table.data.ptr, bt_sb=table.strides[0] // 4, page=k_cache.shape[2])
     if pb.alibi_slopes is not None:
         slopes = cp.asarray(np.ascontiguousarray(np.broadcast_to(pb.alibi_slopes, (batch, hq)), dtype=np.float64))
         keep.append(slopes)
