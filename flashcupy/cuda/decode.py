@@ -113,16 +113,23 @@ def unsupported(q: Any, k_cache: Any, v_cache: Any) -> str | None:
 
 
 @functools.cache
-def _sm_count(device_id: int) -> int:
+def _resident_blocks(device_id: int, smem: int, regs: int) -> int:
+    """Blocks of decode_split an SM holds at once: multiprocessors times the blocks each takes
+    by its shared memory (1 KB of it reserved a block) and registers."""
     import cupy
 
-    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    by_smem = int(props["sharedMemPerMultiprocessor"]) // (smem + 1024)
+    by_regs = int(props["regsPerMultiprocessor"]) // max(1, regs * THREADS)
+    return int(props["multiProcessorCount"]) * max(1, min(by_smem, by_regs))
 
 
-def choose_splits(blocks: int, max_keys: int, sms: int) -> int:
-    """Splits over the keys when the caller leaves it to us: enough blocks for about four a
-    multiprocessor (two resident, two waves), each split at least MIN_SPLIT_KEYS keys."""
-    want = -(-4 * sms // max(blocks, 1))
+def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
+    """Splits over the keys when the caller leaves it to us: where the (sequence, KV head)
+    blocks leave resident slots idle, as many splits as fill one wave of them exactly (a
+    second, partial wave would leave most of the GPU waiting for its last blocks), each at
+    least MIN_SPLIT_KEYS keys."""
+    want = slots // max(blocks, 1)
     return max(1, min(want, max_keys // MIN_SPLIT_KEYS))
 
 
@@ -131,8 +138,9 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb:
     """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of q against the caches, CuPy arrays.
 
     keys: host (B,) ints, the keys each sequence attends; table: (B, max_blocks) ints, host
-    or device, in range in the slots the sequences use (paged), or None (contiguous); num_splits: 0 to choose, else at most
-    one split per step of the key loop (64 keys on tensor cores) is kept. Options (scale,
+    or device, in range in the slots the sequences use (paged), or None (contiguous);
+    num_splits: 0 to choose, else at most one split per step of the key loop (64 keys on
+    tensor cores) is kept. Options (scale,
     causal, window, ALiBi, softcap, sinks) come from ``pb``.
     """
     import cupy as cp
@@ -147,8 +155,10 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb:
     split_name, tile, smem = plan(pb.dtype, d, dv, pb.group_size * lq, q.device.id)
     device_id = q.device.id
     max_keys = int(keys.max()) if batch else 0
+    split_fn = get_function("decode", split_name, device_id, smem)
     if num_splits <= 0:
-        num_splits = choose_splits(batch * hk, max_keys, _sm_count(device_id))
+        slots = _resident_blocks(device_id, smem, int(getattr(split_fn, "num_regs", 0)))
+        num_splits = choose_splits(batch * hk, max_keys, slots)
     tiles = max(1, -(-max_keys // tile))
     num_splits = min(num_splits, tiles)
     split_keys = -(-tiles // num_splits) * tile
@@ -188,8 +198,8 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb:
         sinks = cp.ascontiguousarray(cp.broadcast_to(cp.asarray(pb.sinks, dtype=np.float64), (batch, hq)))
         keep.append(sinks)
         fields["sinks"] = sinks.data.ptr
-    block = P.pack(P.DECODE_PARAMS_DTYPE, **fields)
-    split_fn = get_function("decode", split_name, device_id, smem)
+    # Raw bytes: CuPy copies a structured scalar field by field at each launch.
+    block = np.void(P.pack(P.DECODE_PARAMS_DTYPE, **fields).tobytes())
     merge_fn = get_function("decode", f"flash::decode_merge<{CXX_TYPE[_dtype_name(pb.dtype)]}>", device_id)
     if batch * hk:
         split_fn((batch * hk, num_splits), (THREADS,), (block,), shared_mem=smem)
