@@ -40,6 +40,7 @@ SOURCES: dict[str, list[str]] = {
                 "nvidia-h100-80gb-hbm3-2026-11-28-options-staged.json",
                 "nvidia-h200-2026-11-28-options-bwd-staged.json", "nvidia-h200-2026-11-28-options-bwd-mask128.json",
                 "nvidia-h200-2026-11-28-options-d128bias-alibi.json"],
+    "decode": ["nvidia-h200-2026-11-28-decode.json"],
     "cpu": ["cpu-2026-11-27.json"],
 }
 
@@ -56,14 +57,18 @@ class Suite:
     unit: str
     higher_is_faster: bool
     memory: str | None = None  # a field of peak memory (MiB), shown per system
+    only: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (field, values shown): rows the README shows
+    note: str = ""  # what ``only`` leaves out, said under the title
 
 
 SUITES = {
     "core": Suite("Speed", ("mode", "dtype", "D", "causal"), "L", "tflops", "TFLOP/s", True),
     "options": Suite("Speed with score options", ("option", "mode", "dtype", "D", "causal"), "L", "tflops",
                      "TFLOP/s", True),
-    "decode": Suite("Decoding with a KV cache", ("layout", "dtype", "D", "Hq", "Hk", "B", "Lq"), "Lk", "gbps",
-                    "GB/s", True),
+    "decode": Suite("Decoding with a KV cache", ("layout", "block_size", "dtype", "D", "Hq", "Hk", "B", "Lq"), "Lk",
+                    "gbps", "GB/s", True, only=(("dtype", ("float16",)), ("block_size", (0, 64))),
+                    note="float16 shown, contiguous (block_size 0) and paged with 64-key blocks; the files hold "
+                         "bfloat16 and blocks of 16 and 256 too."),
     "overhead": Suite("Per-call overhead", ("path", "mode", "B", "H", "D"), "L", "us", "us per call", False),
     "cpu": Suite("CPU backend", ("mode", "dtype", "B", "H", "D", "causal", "threads"), "L", "ms", "ms", False,
                  "peak_mib"),
@@ -148,6 +153,8 @@ def table(suite_name: str, files: list[str]) -> str:
             raise ValueError(f"bench/results/{name}: a {suite_of(data)} file listed under {suite_name}")
         sources.append((name, data))
         for row in rows_of(data):
+            if any(row.get(field) not in values for field, values in suite.only):
+                continue
             problem = tuple(row.get(k) for k in suite.keys)
             entry = cells.setdefault(problem, {})
             if entry.get("source") not in (None, name):
@@ -194,7 +201,7 @@ def table(suite_name: str, files: list[str]) -> str:
     direction = "higher" if suite.higher_is_faster else "lower"
     out = [f"### {suite.title}", "",
            f"flashcupy's {suite.unit} ({direction} is faster) at each {suite.spread}; \"vs X\": flashcupy's speed "
-           "over X's, measured in the same run. Runs:", ""]
+           f"over X's, measured in the same run.{' ' + suite.note if suite.note else ''} Runs:", ""]
     for name, data in sources:
         versions = ", ".join(f"{k} {data[k]}" for k in ("torch", "cupy", "numpy") if data.get(k))
         out.append(f"- {labels[name]} [{name}](bench/results/{name}): {machine(data)}, {data.get('date', '?')}"
