@@ -199,8 +199,8 @@ def flash_attention_with_kvcache(
     decode = runs_on == "cuda" and xp is not np and _cuda_decode().unsupported(q, k_cache, v_cache) is None
     prepared = None
     if decode:
-        whole = (k_cache, v_cache) if not paged else (
-            _standin(xp, q.dtype, (batch, hk, capacity, d)), _standin(xp, q.dtype, (batch, hk, capacity, v_cache.shape[-1])))
+        whole = (k_cache, v_cache) if not paged else tuple(
+            _standin(xp, q.dtype, (batch, hk, capacity, c.shape[-1])) for c in (k_cache, v_cache))
         pb = make_device_problem(q, *whole, options)
     else:
         options["kv_lengths"] = total

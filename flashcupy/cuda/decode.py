@@ -91,22 +91,30 @@ def unsupported(q: Any, k_cache: Any, v_cache: Any) -> str | None:
     """Why the decode kernels cannot run this call (None: they can), from its arrays alone:
     q (B, Hq, Lq, D) CuPy; the caches (B or num_blocks, Hk, rows, D / Dv) as
     flash_attention_with_kvcache takes them, checked already against q's batch and D."""
-    if q.dtype.name not in CXX_TYPE or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return f"dtype {q.dtype.name}"
-    hq, hk = q.shape[1], k_cache.shape[1]
+    return _unsupported(q.device.id,
+                        *((x.dtype, x.shape, x.strides, x.data.ptr % 16 == 0) for x in (q, k_cache, v_cache)))
+
+
+@functools.lru_cache(maxsize=256)
+def _unsupported(device_id: int, *arrays: tuple) -> str | None:
+    """:func:`unsupported` of arrays described by (dtype, shape, strides, 16-byte aligned)."""
+    (dtype, q_shape, _, _), (k_dtype, k_shape, _, _), (v_dtype, v_shape, _, _) = arrays
+    if dtype.name not in CXX_TYPE or k_dtype != dtype or v_dtype != dtype:
+        return f"dtype {dtype.name}"
+    hq, hk = q_shape[1], k_shape[1]
     if hk == 0 or hq % hk:
         return f"{hq} query heads over {hk} key/value heads"
-    rows = hq // hk * q.shape[2]
+    rows = hq // hk * q_shape[2]
     if rows > MAX_ROWS:
         return f"{rows} query rows a KV head (more than {MAX_ROWS})"
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.shape[-1] > HEAD_DIMS[-1] or (x.shape[-1] * x.itemsize) % 16:
-            return f"{name}'s head dim {x.shape[-1]} (16-byte chunks up to {HEAD_DIMS[-1]} wanted)"
-        if name != "q" and (x.data.ptr % 16 or x.strides[-1] != x.itemsize
-                            or any(s % 16 for n, s in zip(x.shape[:-1], x.strides[:-1]) if n > 1)):
+    for name, (_, shape, strides, aligned) in zip(("q", "k_cache", "v_cache"), arrays):
+        if shape[-1] > HEAD_DIMS[-1] or (shape[-1] * dtype.itemsize) % 16:
+            return f"{name}'s head dim {shape[-1]} (16-byte chunks up to {HEAD_DIMS[-1]} wanted)"
+        if name != "q" and (not aligned or strides[-1] != dtype.itemsize
+                            or any(s % 16 for n, s in zip(shape[:-1], strides[:-1]) if n > 1)):
             return f"{name}'s layout (16-byte aligned rows with a contiguous last axis wanted)"
-    limit = device_limits(q.device.id)[1]
-    smem = plan(q.dtype, q.shape[-1], v_cache.shape[-1], rows, q.device.id)[2]
+    limit = device_limits(device_id)[1]
+    smem = plan(dtype, q_shape[-1], v_shape[-1], rows, device_id)[2]
     if smem > limit:
         return f"{smem} bytes of shared memory a block (the GPU allows {limit})"
     return None
@@ -124,6 +132,7 @@ def _resident_blocks(device_id: int, smem: int, regs: int) -> int:
     return int(props["multiProcessorCount"]) * max(1, min(by_smem, by_regs))
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
     """Splits over the keys when the caller leaves it to us. With S splits the kernel runs
     ceil(blocks S / slots) waves of blocks that each do 1/S of a sequence's keys; S minimises
@@ -135,6 +144,16 @@ def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
     return min(range(1, most + 1), key=lambda s: -(-blocks * s // slots) / s * (1 + 0.01 * s))
 
 
+#: DecodeParams' pointer fields, in the order decode fills them.
+_POINTERS = ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o", "lse")
+
+
+@functools.lru_cache(maxsize=256)
+def _template(fields: tuple[tuple[str, Any], ...]) -> P.Template:
+    """The parameter block of these scalar fields, packed once; each launch fills its pointers."""
+    return P.Template(P.pack(P.DECODE_PARAMS_DTYPE, **dict(fields)), _POINTERS)
+
+
 def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb: Problem,
            num_splits: int) -> tuple[Any, Any]:
     """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of q against the caches, CuPy arrays.
@@ -142,8 +161,8 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb:
     keys: host (B,) ints, the keys each sequence attends; table: (B, max_blocks) ints, host
     or device, in range in the slots the sequences use (paged), or None (contiguous);
     num_splits: 0 to choose, else at most one split per step of the key loop (64 keys on
-    tensor cores) is kept. Options (scale,
-    causal, window, ALiBi, softcap, sinks) come from ``pb``.
+    tensor cores) is kept. Options (scale, causal, window, ALiBi, softcap, sinks) come from
+    ``pb``.
     """
     import cupy as cp
 
@@ -171,18 +190,20 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb:
     o_part = _empty((num_splits, batch * hq * lq, dv), acc, cp)
     lse_part = _empty((num_splits, batch * hq * lq), acc, cp)
     keep = []
-    fields = dict(q=q.data.ptr, k=k_cache.data.ptr, v=v_cache.data.ptr,
-                  o_part=o_part.data.ptr, lse_part=lse_part.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
-                  scale=pb.scale, softcap=pb.softcap or 0.0, batch=batch, hq=hq, hk=hk, lq=lq, d=d, dv=dv,
+    pointers = dict.fromkeys(_POINTERS, 0)
+    pointers.update(q=q.data.ptr, k=k_cache.data.ptr, v=v_cache.data.ptr, o_part=o_part.data.ptr,
+                    lse_part=lse_part.data.ptr, o=out.data.ptr, lse=lse.data.ptr)
+    fields = dict(scale=pb.scale, softcap=pb.softcap or 0.0, batch=batch, hq=hq, hk=hk, lq=lq, d=d, dv=dv,
                   causal=P.CAUSAL_CODE[pb.causal], page=0, splits=num_splits, split_keys=split_keys)
     for prefix, x in (("q", q), ("k", k_cache), ("v", v_cache)):
-        fields[f"{prefix}_sb"], fields[f"{prefix}_sh"], fields[f"{prefix}_sr"] = (s // x.itemsize for s in x.strides[:3])
+        for axis, stride in zip(("sb", "sh", "sr"), x.strides[:3]):
+            fields[f"{prefix}_{axis}"] = stride // x.itemsize
     if batch and (keys == max_keys).all():  # one length: a scalar, no copy to the device
         fields["keys_all"] = max_keys
     else:
         keys_dev = cp.asarray(keys.astype(np.int32))
         keep.append(keys_dev)
-        fields["keys"] = keys_dev.data.ptr
+        pointers["keys"] = keys_dev.data.ptr
     left, right = pb.window if pb.window is not None else (None, None)
     fields["window_left"] = -1 if left is None else min(left, 2**31 - 1)
     fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
@@ -191,17 +212,17 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb:
                 and table.strides[0] % 4 == 0):
             table = cp.ascontiguousarray(cp.asarray(table).astype(np.int32, copy=False))
         keep.append(table)
-        fields.update(block_table=table.data.ptr, bt_sb=table.strides[0] // 4, page=k_cache.shape[2])
+        pointers["block_table"] = table.data.ptr
+        fields.update(bt_sb=table.strides[0] // 4, page=k_cache.shape[2])
     if pb.alibi_slopes is not None:
         slopes = cp.asarray(np.ascontiguousarray(np.broadcast_to(pb.alibi_slopes, (batch, hq)), dtype=np.float64))
         keep.append(slopes)
-        fields["alibi"] = slopes.data.ptr
+        pointers["alibi"] = slopes.data.ptr
     if pb.sinks is not None:
         sinks = cp.ascontiguousarray(cp.broadcast_to(cp.asarray(pb.sinks, dtype=np.float64), (batch, hq)))
         keep.append(sinks)
-        fields["sinks"] = sinks.data.ptr
-    # Raw bytes: CuPy copies a structured scalar field by field at each launch.
-    block = np.void(P.pack(P.DECODE_PARAMS_DTYPE, **fields).tobytes())
+        pointers["sinks"] = sinks.data.ptr
+    block = _template(tuple(fields.items())).fill(*pointers.values())
     merge_fn = get_function("decode", f"flash::decode_merge<{CXX_TYPE[_dtype_name(pb.dtype)]}>", device_id)
     if batch * hk:
         split_fn((batch * hk, num_splits), (THREADS,), (block,), shared_mem=smem)
