@@ -300,3 +300,56 @@ def test_unused_block_table_slots_may_hold_minus_one():
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match=r"block_table: expected block numbers .* in the slots the sequences use"):
         fc.flash_attention_with_kvcache(q, kp, vp, cache_seqlens=[9, 16], block_table=padded, backend="cpu")
+
+
+def test_decode_split_count_fills_waves_of_resident_blocks():
+    """choose_splits: a grid short of one wave splits to fill it; one a little over a wave
+    splits rather than run a second, mostly idle wave; short caches keep MIN_SPLIT_KEYS."""
+    from flashcupy.cuda.decode import MIN_SPLIT_KEYS, choose_splits
+
+    assert choose_splits(8, 131072, 264) == 33  # 8 blocks fill 264 slots 33 ways
+    assert choose_splits(512, 16384, 396) == 3  # 1.29 waves at 1 split, 3.88 at 3
+    assert choose_splits(512, 16384, 264) == 1  # 1.94 waves: a split more only adds waves
+    assert choose_splits(8, 4096, 264) == 4096 // MIN_SPLIT_KEYS
+    assert choose_splits(8, 100, 264) == 1
+
+
+def test_decode_parameter_template_packs_like_pack():
+    """The cached parameter block with its pointers filled is the block pack() builds."""
+    from flashcupy.cuda import params as P
+    from flashcupy.cuda.decode import _POINTERS, _template
+
+    fields = dict(scale=0.125, softcap=30.0, batch=2, hq=32, hk=8, lq=1, d=128, dv=64, causal=1, page=16, splits=3,
+                  split_keys=64, keys_all=77, window_left=-1, window_right=5, q_sb=1, q_sh=2, q_sr=3, k_sb=4,
+                  k_sh=5, k_sr=6, v_sb=7, v_sh=8, v_sr=9, bt_sb=40)
+    pointers = {name: 4096 + 16 * i for i, name in enumerate(_POINTERS)}
+    filled = _template(tuple(fields.items())).fill(*pointers.values())
+    assert filled.tobytes() == P.pack(P.DECODE_PARAMS_DTYPE, **fields, **pointers).tobytes()
+
+
+def test_decode_kernels_say_which_calls_they_take(monkeypatch):
+    """The kernels' admission rule from the arrays' description (no GPU: an H100's limits)."""
+    from flashcupy.cuda import decode as cuda_decode
+
+    monkeypatch.setattr(cuda_decode, "device_limits", lambda device: (90, 227 * 1024))
+    cuda_decode.plan.cache_clear()
+    cuda_decode._unsupported.cache_clear()
+    try:
+        def why(q, k, v=None, aligned=True, dtype=F16):
+            v = k if v is None else v
+            arrays = [(np.dtype(dtype), s, tuple(np.dtype(dtype).itemsize * int(np.prod(s[i + 1:])) for i in
+                                                 range(len(s))), aligned) for s in (q, k, v)]
+            return cuda_decode._unsupported(-7, *arrays)
+
+        assert why((4, 32, 1, 128), (4, 8, 4096, 128)) is None
+        assert why((4, 32, 4, 128), (4, 8, 4096, 128)) is None  # 16 rows
+        assert "query rows" in why((4, 32, 5, 128), (4, 8, 4096, 128))
+        assert "query heads" in why((4, 30, 1, 128), (4, 8, 4096, 128))
+        assert "head dim" in why((4, 8, 1, 12), (4, 8, 64, 12))  # 24 bytes
+        assert "head dim" in why((4, 8, 1, 512), (4, 8, 64, 512))
+        assert "layout" in why((4, 8, 1, 64), (4, 8, 64, 64), aligned=False)
+        assert why((4, 8, 1, 64), (4, 8, 64, 64), dtype=F64) is None
+        assert why((4, 8, 1, 64), (4, 8, 64, 64), dtype=np.int32).startswith("dtype")
+    finally:
+        cuda_decode.plan.cache_clear()
+        cuda_decode._unsupported.cache_clear()
