@@ -498,9 +498,10 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     float rO[1][HV / 8][4];
     zero_acc(rO);
     float m[2] = {neg_inf<float>(), neg_inf<float>()}, l[2] = {0.0f, 0.0f};
-    // Q's A fragments, loaded once where registers allow (HK <= 128: 32 of them), else read
-    // from shared memory each tile.
-    constexpr bool kQInRegisters = HK <= 128;
+    // Q's A fragments, loaded once where registers allow (HK <= 128: up to 32 of them, beside
+    // an O of at most 128 - HK columns' worth: at HK 128 with HV 256 they spilled 8 bytes),
+    // else read from shared memory each tile.
+    constexpr bool kQInRegisters = HK <= 128 && HK + HV <= 256;
     u32 rQ[kQInRegisters ? HK / 16 : 1][4];
     if constexpr (kQInRegisters) {
 #pragma unroll

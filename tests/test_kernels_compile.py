@@ -560,3 +560,61 @@ def test_wgmma_backward_takes_only_option_sets_that_compile_without_spills():
     with concurrent.futures.ProcessPoolExecutor(max_workers=_workers(len(chunks))) as pool:
         logs = list(pool.map(_compile, [False] * len(chunks), ["backward"] * len(chunks), chunks, [90] * len(chunks)))
     check_report("".join(logs), list(specs.values()), 90)
+
+
+def _decode_kernels(arch: int) -> list[str]:
+    """The decode kernels (kernels_cu/flash_decode.cu) a call can reach on ``arch``: mma.sync
+    for 16-bit on sm_80+ at every head-dim pair, the CUDA-core kernel for float32 and float64
+    (and 16-bit before sm_80) at each row count, and the merges, named as decode.plan names them."""
+    from flashcupy.cuda import decode
+
+    dims = decode.HEAD_DIMS
+    names = [f"flash::decode_merge<{t}>" for t in ("__half", "__nv_bfloat16", "float", "double")]
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        cxx = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}[dtype]
+        if dtype in ("float16", "bfloat16") and arch >= 80:
+            names += [f"flash::decode_split_mma<{cxx}, {hk}, {hv}, {decode.mma_shape(hk, hv)[1]}>"
+                      for hk in dims for hv in dims]
+        else:
+            names += [f"flash::decode_split<{cxx}, {hk}, {hk}, {rows}, {decode.tile_shape(dtype, hk, hk, rows)[1]}>"
+                      for hk in dims for rows in (1, 4, 16)]
+    return names
+
+
+def _check_decode(arch: int, names: list[str]) -> None:
+    """Compile ``names`` (decode kernels) for ``arch`` in parallel programs of a few kernels:
+    all compile, and the mma.sync ones with equal head dims have no stack frame or spills. The
+    CUDA-core ones, and mma.sync ones of mixed head dims (D 32 with Dv 128 spills 4 bytes under
+    NVRTC 12.9, a heuristic of ptxas that moving Q to shared memory only shifts to D 32 / 32),
+    warn."""
+    problem = nvrtc_problem()
+    if problem:
+        _unavailable(problem)
+    programs = [names[i:i + 4] for i in range(0, len(names), 4)]
+    with concurrent.futures.ThreadPoolExecutor(_workers(len(programs))) as pool:
+        logs = list(pool.map(lambda part: compile_for_arch("decode", part, arch), programs))
+    entries = [e for log in logs for e in parse_ptxas(log)]
+    assert len(entries) == len(names)
+    local = [e["name"] for e in entries if (e["stack"], e["stores"], e["loads"]) != (0, 0, 0)]
+    equal = [n for n in local if re.search(r"decode_split_mma.*?Li(\d+)ELi\1E", n)]
+    assert not equal, equal
+    if local:
+        warnings.warn(f"sm_{arch}: {len(local)} CUDA-core or mixed-head-dim decode kernel(s) use local memory: "
+                      + "; ".join(local), stacklevel=2)
+
+
+@pytest.mark.parametrize("arch", [75, 80, 90])
+def test_decode_kernels_compile(arch):
+    """The representative check: a few decode kernels of each path and the merges."""
+    names = _decode_kernels(arch)
+    keep = ("decode_merge<__half>", "decode_split_mma<__half, 128, 128,", "decode_split<float, 64, 64, 4,",
+            "decode_split<__half, 64, 64, 1,")
+    _check_decode(arch, [n for n in names if any(k in n for k in keep)])
+
+
+@pytest.mark.compile_matrix
+@pytest.mark.parametrize("arch", [75, 80, 90])
+def test_every_decode_kernel_compiles(arch):
+    """Every decode kernel, for the three kinds of code the file holds: no cp.async and no
+    mma.sync (sm_75), both (sm_80; sm_86 and sm_89 compile the same source paths), sm_90."""
+    _check_decode(arch, _decode_kernels(arch))
