@@ -140,12 +140,14 @@ def flash_attention_with_kvcache(
     _shape("q", q, (None,) * 4, "B, Hq, Lq, D")
     batch, _, _, d = q.shape
     paged = block_table is not None
+    device_table = None
     if paged:
         _shape("k_cache", k_cache, (None, None, None, d), "num_blocks, Hk, block_size, D: paged, D as q's")
         n_blocks, hk, block_size, _ = k_cache.shape
         _shape("v_cache", v_cache, (n_blocks, hk, block_size, None), "num_blocks, Hk, block_size, Dv like k_cache")
         table = host_array("block_table", block_table)
-        device_table = block_table if interop.is_gpu_array(block_table) and xp is not np else None
+        if xp is not np and interop.is_gpu_array(block_table):  # a CuPy view of the caller's device table
+            device_table = interop.to_device(block_table)
         if table.dtype.kind not in "iu":
             raise TypeError(f"block_table: expected integers, received dtype {dtype_name(table.dtype)}")
         _shape("block_table", table, (batch, None), "B, max_blocks")
@@ -212,7 +214,19 @@ def flash_attention_with_kvcache(
             k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
             prepared = _api._prepare(q, k_seq, v_seq, options)
             pb = prepared[0]
-    if new:
+    start = int(lens[0]) if batch and (lens == lens[0]).all() else None  # one append position for all
+    slot = None if start is None or not paged or start // block_size != (start + new - 1) // block_size \
+        else start // block_size  # ... inside one block of each sequence
+    if new and start is not None and (not paged or slot is not None):
+        # One copy a cache, no index arrays to move (on the GPU: no host-to-device copy, no sync).
+        if paged:
+            blocks = device_table[:, slot] if device_table is not None else xp.asarray(table[:, slot])
+            k_cache[blocks, :, start % block_size: start % block_size + new] = k
+            v_cache[blocks, :, start % block_size: start % block_size + new] = v
+        else:
+            k_cache[:, :, start:start + new] = k
+            v_cache[:, :, start:start + new] = v
+    elif new:
         # (B, Lnew) positions; advanced indices around a slice put (B, Lnew) first: k as (B, Lnew, Hk, D)
         pos = lens[:, None] + np.arange(new)
         if paged:

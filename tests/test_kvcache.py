@@ -353,3 +353,26 @@ def test_decode_kernels_say_which_calls_they_take(monkeypatch):
     finally:
         cuda_decode.plan.cache_clear()
         cuda_decode._unsupported.cache_clear()
+
+
+@pytest.mark.parametrize("block_size", [None, 16, 4])
+def test_an_append_at_one_position_for_every_sequence(block_size):
+    """Equal cache_seqlens take one copy a cache (a slice, or one block a sequence when paged;
+    with 4-key blocks the 3 new keys cross a block and take the indexed path): the same keys
+    land where the indexed path puts them, and attention matches the reference."""
+    rs = np.random.default_rng(8)
+    q, kc, vc, k, v = _cache(rs, batch=3, lmax=32)
+    lens = np.array([13, 13, 13])
+    ref_out, _ = _reference(q, kc, vc, k, v, lens, {"causal": True})
+    if block_size is None:
+        caches, table = [kc, vc], None
+    else:
+        *caches, table = _paged(kc, vc, block_size, rs)
+    out = fc.flash_attention_with_kvcache(q, *caches, k, v, cache_seqlens=13, block_table=table, causal=True,
+                                          backend="cpu")
+    assert_rule("out", out, ref_out, ref_out, q.dtype, 1.0)
+    for b in range(3):
+        for n in range(3):
+            key = 13 + n
+            got = caches[0][b, :, key] if table is None else caches[0][table[b, key // block_size], :, key % block_size]
+            np.testing.assert_array_equal(got, k[b, :, n])
