@@ -144,6 +144,9 @@ def flash_attention_with_kvcache(
     if paged:
         _shape("k_cache", k_cache, (None, None, None, d), "num_blocks, Hk, block_size, D: paged, D as q's")
         n_blocks, hk, block_size, _ = k_cache.shape
+        if block_size == 0:
+            raise ValueError("k_cache: expected blocks of at least one key (num_blocks, Hk, block_size, D), "
+                             f"received shape {tuple(k_cache.shape)}")
         _shape("v_cache", v_cache, (n_blocks, hk, block_size, None), "num_blocks, Hk, block_size, Dv like k_cache")
         table = host_array("block_table", block_table)
         if xp is not np and interop.is_gpu_array(block_table):  # a CuPy view of the caller's device table

@@ -105,8 +105,10 @@ __device__ __forceinline__ DecodeRow decode_row(const DecodeParams& p, int b, in
 }
 
 // The keys a block reads: its split's [split * split_keys, + split_keys) within the union of
-// its rows' ranges (lo >= hi: none).
-__device__ __forceinline__ void decode_block_keys(const DecodeParams& p, const int* sLo, const int* sHi, int rows,
+// its rows' ranges (lo >= hi: none). Each row's hi is then cut at the block's (a barrier on
+// each side): a tile that starts off the split's grid (at a window's start) runs past the
+// split's end into zero-filled keys, which must not score.
+__device__ __forceinline__ void decode_block_keys(const DecodeParams& p, const int* sLo, int* sHi, int rows,
                                                   int keys, int& lo, int& hi) {
     lo = keys;
     hi = 0;
@@ -118,6 +120,9 @@ __device__ __forceinline__ void decode_block_keys(const DecodeParams& p, const i
     }
     lo = int(max(i64(lo), i64(blockIdx.y) * p.split_keys));
     hi = int(min(i64(hi), i64(blockIdx.y + 1) * p.split_keys));
+    __syncthreads();  // every thread has read the rows' ranges
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) sHi[r] = min(sHi[r], hi);
+    __syncthreads();
 }
 
 // A score in log2 units from q . k times q_mul: softcap, ALiBi, then the row's key range.

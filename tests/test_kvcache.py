@@ -36,7 +36,8 @@ def _paged(k_cache: np.ndarray, v_cache: np.ndarray, block_size: int, rs: np.ran
 
 
 @st.composite
-def decode_calls(draw, dtypes=(F16, F32, F64), groups=(1, 2, 4), lmax=(8, 70), dims=((8, 40, 64), (8, 24))):
+def decode_calls(draw, dtypes=(F16, F32, F64), groups=(1, 2, 4), lmax=(8, 70), dims=((8, 40, 64), (8, 24)),
+                 window_left=9):
     dtype = draw(st.sampled_from(dtypes))
     batch, hk = draw(st.integers(1, 3)), draw(st.integers(1, 2))
     hq = hk * draw(st.sampled_from(groups))
@@ -48,7 +49,7 @@ def decode_calls(draw, dtypes=(F16, F32, F64), groups=(1, 2, 4), lmax=(8, 70), d
     if draw(st.booleans()):
         options["causal"] = True
     if draw(st.booleans()):
-        options["window"] = (draw(st.integers(0, 9)), draw(st.integers(0, 3)))
+        options["window"] = (draw(st.integers(0, window_left)), draw(st.integers(0, 3)))
     if draw(st.booleans()):
         options["alibi_slopes"] = rs.uniform(0, 0.5, hq)
     if draw(st.booleans()):
@@ -202,9 +203,10 @@ GPU_EXAMPLES = int(os.environ.get("FLASHCUPY_GPU_EXAMPLES", "60"))
 @pytest.mark.gpu
 @settings(max_examples=GPU_EXAMPLES, deadline=None)
 @given(decode_calls(dtypes=(F16, BF16, F32, F64), groups=(1, 2, 4, 8), lmax=(4, 3000),
-                    dims=((8, 12, 32, 40, 64, 128, 256), (8, 64, 128))),
+                    dims=((8, 12, 32, 40, 64, 128, 256), (8, 64, 128)), window_left=3000),
        st.sampled_from([0, 1, 2, 7]))
 @example(call=None, num_splits=0)  # a long cache split many ways: see _long_call
+@example(call="window", num_splits=2)  # a window starting inside the first of two splits
 def test_decode_kernels_match_the_reference(call, num_splits):
     """Every supported call runs the split-KV kernels (their entry is watched), contiguous and
     paged, appended or not, with each option, GQA groups up to 16 rows and forced splits."""
@@ -214,6 +216,8 @@ def test_decode_kernels_match_the_reference(call, num_splits):
 
     if call is None:
         call = _long_call()
+    elif call == "window":
+        call = _window_call()
     (q, k_cache, v_cache, k, v), lens, block_size, options, rs = call
     ref_out, ref_lse = _reference(q, k_cache, v_cache, k, v, lens, options)
     if block_size is None:
@@ -240,6 +244,15 @@ def test_decode_kernels_match_the_reference(call, num_splits):
         got = dev[1].get()
         for b in range(q.shape[0]):
             np.testing.assert_array_equal(got[b, :, lens[b] : lens[b] + new], k[b])
+
+
+def _window_call():
+    """A window whose start (key 504) is off the first split's 16-key grid: that split's last
+    tile ran past the split's end (key 512) and counted the zero-filled keys after it."""
+    rs = np.random.default_rng(13)
+    arrays = [rs.standard_normal(s).astype(F16) for s in ((1, 1, 1, 64), (1, 1, 1000, 64), (1, 1, 1000, 64),
+                                                          (1, 1, 0, 64), (1, 1, 0, 64))]
+    return arrays, np.array([1000]), None, {"window": (495, 0)}, rs
 
 
 def _long_call():
@@ -376,3 +389,10 @@ def test_an_append_at_one_position_for_every_sequence(block_size):
             key = 13 + n
             got = caches[0][b, :, key] if table is None else caches[0][table[b, key // block_size], :, key % block_size]
             np.testing.assert_array_equal(got, k[b, :, n])
+
+
+def test_a_paged_cache_of_empty_blocks_is_refused():
+    q, kc, vc, _, _ = _cache(np.random.default_rng(9))
+    with pytest.raises(ValueError, match="k_cache: expected blocks of at least one key"):
+        fc.flash_attention_with_kvcache(q, kc[:, :, :0], vc[:, :, :0], block_table=np.zeros((2, 1), np.int32),
+                                        backend="cpu")

@@ -181,7 +181,7 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb:
         slots = _resident_blocks(device_id, smem, int(getattr(split_fn, "num_regs", 0)))
         num_splits = choose_splits(batch * hk, max_keys, slots)
     tiles = max(1, -(-max_keys // tile))
-    num_splits = min(num_splits, tiles)
+    num_splits = min(num_splits, tiles, 65535)  # grid y
     split_keys = -(-tiles // num_splits) * tile
     num_splits = max(1, -(-max_keys // split_keys))
 
