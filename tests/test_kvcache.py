@@ -16,13 +16,30 @@ import flashcupy as fc
 from support import BF16, F16, F32, F64, assert_rule
 
 
-def _paged(k_cache: np.ndarray, v_cache: np.ndarray, block_size: int, rs: np.random.Generator):
+def _shared_prefix(k_cache: np.ndarray, v_cache: np.ndarray, lens: np.ndarray, block_size: int | None) -> list[int]:
+    """The sequences whose first block is full before the call, all but the first made to hold
+    the first's keys and values there (a shared prompt; call before the reference): a paged
+    table maps them all to one physical block. Empty when fewer than two qualify."""
+    if block_size is None:
+        return []
+    full = [s for s in range(len(lens)) if lens[s] >= block_size]
+    if len(full) < 2:
+        return []
+    for cache in (k_cache, v_cache):
+        cache[full[1:], :, :block_size] = cache[full[0], :, :block_size]
+    return full
+
+
+def _paged(k_cache: np.ndarray, v_cache: np.ndarray, block_size: int, rs: np.random.Generator,
+           shared: list[int] = ()):
     """Contiguous (B, Hk, Lmax, D / Dv) caches as paged ones, (num_blocks, Hk, block_size, D / Dv)
-    in one shuffled block order with spare blocks of noise, and their (B, max_blocks) table."""
+    in one shuffled block order with spare blocks of noise, and their (B, max_blocks) table;
+    the ``shared`` sequences' first blocks are one physical block (see _shared_prefix)."""
     b, hk, lmax, _ = k_cache.shape
     per_seq = -(-lmax // block_size)
     order = rs.permutation(b * per_seq + 3)
     table = order[: b * per_seq].reshape(b, per_seq).astype(np.int32)
+    table[list(shared[1:]), 0] = table[shared[0], 0] if shared else 0
     paged = []
     for cache in (k_cache, v_cache):
         pages = rs.standard_normal((len(order), hk, block_size, cache.shape[-1])).astype(cache.dtype)
@@ -79,12 +96,13 @@ def _reference(q, k_cache, v_cache, k, v, lens, options):
 @given(decode_calls())
 def test_kvcache_matches_the_reference_and_appends_in_place(call):
     (q, k_cache, v_cache, k, v), lens, block_size, options, rs = call
+    shared = _shared_prefix(k_cache, v_cache, lens, block_size)
     before = (k_cache.copy(), v_cache.copy())
     ref_out, ref_lse = _reference(q, k_cache, v_cache, k, v, lens, options)
     if block_size is None:
         caches, table = (k_cache, v_cache), None
     else:
-        *caches, table = _paged(k_cache, v_cache, block_size, rs)
+        *caches, table = _paged(k_cache, v_cache, block_size, rs, shared)
     new = k.shape[2]
     out, lse = fc.flash_attention_with_kvcache(q, *caches, k if new else None, v if new else None, cache_seqlens=lens,
                                                block_table=table, return_lse=True, backend="cpu", **options)
@@ -219,11 +237,12 @@ def test_decode_kernels_match_the_reference(call, num_splits):
     elif call == "window":
         call = _window_call()
     (q, k_cache, v_cache, k, v), lens, block_size, options, rs = call
+    shared = _shared_prefix(k_cache, v_cache, lens, block_size)
     ref_out, ref_lse = _reference(q, k_cache, v_cache, k, v, lens, options)
     if block_size is None:
         caches, table = (k_cache, v_cache), None
     else:
-        *caches, table = _paged(k_cache, v_cache, block_size, rs)
+        *caches, table = _paged(k_cache, v_cache, block_size, rs, shared)
     new = k.shape[2]
     if table is not None and rs.random() < 0.5:  # a device table, -1 in the slots no sequence uses
         used = -(-(lens + new) // block_size)
