@@ -53,10 +53,18 @@ def tile_sizes(pb: Problem) -> tuple[int, int]:
     on an AVX-512 server core with 1 MiB of L2): large enough for BLAS to run near
     its peak and for the per-tile Python work to be a few percent, small enough to
     stay in cache between the two products and the elementwise passes. Wider head
-    dims take more query rows per tile, which suits the K Q^T product.
+    dims take more query rows per tile, which suits the K Q^T product. Where a task has
+    fewer rows than BLOCK_M (decoding: a query or a few a head, or a group's heads stacked,
+    :func:`_packed`) and no mask makes the key tiles' edges matter, its keys grow to keep
+    the tile near 1 MiB, up to MAX_BLOCK_N.
     """
     block_m = 256 if pb.head_dim <= 64 else 512
-    return block_m, (1 << 20) // (block_m * accumulator_dtype(pb.dtype).itemsize)
+    itemsize = accumulator_dtype(pb.dtype).itemsize
+    block_n = (1 << 20) // (block_m * itemsize)
+    rows = min(block_m, max(1, pb.seqlen_q)) * (pb.group_size if _packed(pb, block_m) else 1)
+    if rows < block_m and pb.mask is None and pb.block_mask is None:
+        block_n = max(block_n, min(MAX_BLOCK_N, (1 << 20) // (rows * itemsize)))
+    return block_m, block_n
 
 
 #: The machine's cores (not those this process may use, nor the thread count): backward_splits
@@ -250,6 +258,25 @@ def _attended(pb: Problem, seg: Segment, i0: int, i1: int, keys: tuple[int, int]
 # --------------------------------------------------------------------------- forward
 
 
+#: Keys a forward tile at most. A task of few rows (decoding: a query or a few a head) takes
+#: as many keys as make its 1 MiB score tile, up to this: with BLOCK_N keys it would spend most
+#: of its time in per-tile Python work (1024 tiles of 512 keys for 32 heads of 16k keys).
+MAX_BLOCK_N = 4096
+
+
+def _packed(pb: Problem, block_m: int) -> bool:
+    """Whether the forward runs each (batch, kv head) group's query heads as one task, their
+    rows stacked, so K and V are read once a group instead of once a query head (decoding:
+    a few rows against many keys). Only where no score term differs between the heads (no
+    bias, mask, block mask, ALiBi or dropout), every row is valid (no q_lengths, not packed
+    sequences), the stacked rows fit one block, and there are at least as many groups as the
+    machine has cores (MACHINE_CORES: never the thread count, so results do not depend on it)."""
+    groups = math.prod(pb.batch) * pb.num_heads_k
+    return (pb.group_size > 1 and not pb.varlen and pb.q_lengths is None and pb.bias is None and pb.mask is None
+            and pb.block_mask is None and pb.alibi_slopes is None and pb.dropout_p == 0
+            and pb.group_size * pb.seqlen_q <= block_m and groups >= MACHINE_CORES)
+
+
 @np.errstate(all="ignore")  # Inf/NaN inputs flow through to the results without RuntimeWarnings
 def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
     """(out, lse) in the problem's internal layout: out (..., Hq, Lq, Dv) of q's dtype, lse float32/64."""
@@ -261,19 +288,35 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
     k, v = _as_operand(pb.k, acc), _as_operand(pb.v, acc)
     scale2 = acc.type(pb.scale * LOG2E)
     tasks, costs = [], []
-    for seg in pb.segments():
-        out[seg.q_index][seg.q_len :] = 0  # padded rows: output 0, lse -inf
-        lse[seg.lse_index][seg.q_len :] = -np.inf
-        for i0 in range(0, seg.q_len, block_m):
-            i1 = min(i0 + block_m, seg.q_len)
-            tasks.append((seg, i0, i1))
-            costs.append(_attended(pb, seg, i0, i1))
+    packed = _packed(pb, block_m)
+    if packed:  # (segments of one group, 0, Lq): every row valid, the group's heads adjacent in q and out
+        for group in _groups(pb):
+            tasks.append((group, 0, pb.seqlen_q))
+            costs.append(len(group) * _attended(pb, group[0], 0, pb.seqlen_q))
+    else:
+        for seg in pb.segments():
+            out[seg.q_index][seg.q_len :] = 0  # padded rows: output 0, lse -inf
+            lse[seg.lse_index][seg.q_len :] = -np.inf
+            for i0 in range(0, seg.q_len, block_m):
+                i1 = min(i0 + block_m, seg.q_len)
+                tasks.append(((seg,), i0, i1))
+                costs.append(_attended(pb, seg, i0, i1))
 
-    def run(task: tuple[Segment, int, int], scratch: _Scratch) -> None:
-        seg, i0, i1 = task
-        rows = i1 - i0
+    def rows_of(x: np.ndarray, segs: tuple[Segment, ...], i0: int, i1: int) -> np.ndarray:
+        """Rows [i0, i1) of x (q, out or lse) for a task's segments: one segment's frame, or a
+        group's adjacent heads (*batch, heads, Lq, ...) with the head axis kept."""
+        if len(segs) == 1:
+            return x[segs[0].q_index][i0:i1]
+        first = segs[0].q_index
+        return x[first[:-1] + (slice(first[-1], first[-1] + len(segs)),)][:, i0:i1]
+
+    def run(task: tuple[tuple[Segment, ...], int, int], scratch: _Scratch) -> None:
+        segs, i0, i1 = task
+        seg, heads = segs[0], len(segs)
+        rows = heads * (i1 - i0)
         q = scratch.get("q", rows, pb.head_dim)
-        np.multiply(pb.q[seg.q_index][i0:i1], scale2, out=q, dtype=acc)  # scale log2(e) Q, rounded once
+        q_rows = rows_of(pb.q, segs, i0, i1)  # a group's heads stacked: row h (i1 - i0) + i
+        np.multiply(q_rows, scale2, out=q.reshape(q_rows.shape), dtype=acc)  # scale log2(e) Q, rounded once
         ks, vs = k[seg.k_index], v[seg.k_index]
         m = scratch.get("m", rows)  # running shift (base 2), moved up lazily
         m[...] = -np.inf
@@ -285,6 +328,8 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
         o[...] = 0
         pv = scratch.get("pv", rows, pb.head_dim_v)
         for j0, j1, ranges, keep in _key_tiles(pb, seg, i0, i1, block_n):
+            if ranges is not None and heads > 1:  # the same positions in every head
+                ranges = (np.tile(ranges[0], heads), np.tile(ranges[1], heads))
             st = scratch.get("s", j1 - j0, rows)
             np.matmul(ks[j0:j1], q.T, out=st)  # S^T = scale log2(e) K Q^T
             _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
@@ -292,7 +337,8 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
             for c in damaged[:count]:  # a query whose scores leapt past its shift: alone, exactly
                 column = scratch.get("column", j1 - j0, 1)
                 np.matmul(ks[j0:j1], q[c : c + 1].T, out=column)
-                _scores(pb, seg, column, i0 + c, j0, ranges and (ranges[0][c : c + 1], ranges[1][c : c + 1]),
+                row = i0 + c % (i1 - i0)  # the query's position (in its head, when stacked)
+                _scores(pb, seg, column, row, j0, ranges and (ranges[0][c : c + 1], ranges[1][c : c + 1]),
                         None if keep is None else keep[c : c + 1], kernels)
                 kernels.forward_tile(column, m[c : c + 1], l[c : c + 1], alpha[c : c + 1],
                                      scratch.get("column vectors", 3, 1), damaged[count:], True)
@@ -303,8 +349,9 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 st *= z
             np.matmul(st.T, vs[j0:j1], out=pv)
             kernels.rescale_add(o, alpha, pv)  # O = alpha O + P V
-        out_rows = out[seg.q_index][i0:i1]
-        kernels.finish(o, m, l, lse[seg.lse_index][i0:i1], out_rows if out.dtype == acc else o)
+        out_rows = rows_of(out, segs, i0, i1).reshape(rows, pb.head_dim_v)  # views: out is C-contiguous
+        lse_rows = rows_of(lse, segs, i0, i1).reshape(rows)
+        kernels.finish(o, m, l, lse_rows, out_rows if out.dtype == acc else o)
         if out.dtype != acc:
             out_rows[...] = o
 

@@ -223,3 +223,31 @@ def test_scratch_is_made_once_per_thread():
     cpu_parallel.run_tasks(list(range(50)), lambda i, state: state.append(i), lambda: made.append([]) or made[-1],
                            threads=2)
     assert 1 <= len(made) <= 2 and sorted(sum(made, [])) == list(range(50))
+
+
+def test_decoding_stacks_a_kv_heads_query_heads_alike_on_every_thread_count(monkeypatch):
+    """A few queries a head (decoding) with GQA run each (batch, kv head) group's query heads
+    as one task, their rows stacked, when there are at least as many groups as the machine's
+    cores: bitwise the same on 1, 2 and 3 threads, and the reference's result."""
+    from flashcupy import cpu
+
+    taken = []
+    packed = cpu._packed
+    monkeypatch.setattr(cpu, "_packed", lambda pb, block_m: taken.append(packed(pb, block_m)) or taken[-1])
+    rs = np.random.default_rng(3)
+    groups = max(2, cpu.MACHINE_CORES)
+    q = rs.standard_normal((groups, 8, 2, 64)).astype(np.float32)
+    k, v = (rs.standard_normal((groups, 2, 700, 64)).astype(np.float32) for _ in range(2))
+    options = {"causal": True, "window": (500, 0), "softcap": 20.0, "kv_lengths": rs.integers(1, 701, groups),
+               "return_lse": True}
+    results = []
+    for threads in (1, 2, 3):
+        with fc.cpu_threads(threads):
+            results.append(fc.flash_attention(q, k, v, backend="cpu", **options))
+    assert taken and all(taken)
+    for out, lse in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(lse, results[0][1])
+    ref, ref_lse = fc.attention_reference(q, k, v, **options)
+    np.testing.assert_allclose(results[0][0], ref, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(results[0][1], ref_lse, atol=2e-5, rtol=1e-5)
