@@ -61,10 +61,20 @@ def tile_sizes(pb: Problem) -> tuple[int, int]:
     block_m = 256 if pb.head_dim <= 64 else 512
     itemsize = accumulator_dtype(pb.dtype).itemsize
     block_n = (1 << 20) // (block_m * itemsize)
-    rows = min(block_m, max(1, pb.seqlen_q)) * (pb.group_size if _packed(pb, block_m) else 1)
+    # the longest valid query length (a padded call with q_lengths tiles as its packed twin)
+    longest = pb.seqlen_q if pb.q_lengths is None else int(np.max(pb.q_lengths, initial=0))
+    rows = min(block_m, max(1, longest)) * (pb.group_size if _packed(pb, block_m) else 1)
     if rows < block_m and pb.mask is None and pb.block_mask is None:
         block_n = max(block_n, min(MAX_BLOCK_N, (1 << 20) // (rows * itemsize)))
     return block_m, block_n
+
+
+def backward_tile_sizes(pb: Problem) -> tuple[int, int]:
+    """The backward's (BLOCK_M, BLOCK_N): :func:`tile_sizes` without the forward's wider key
+    tiles for few rows (the backward keeps (BLOCK_N, D) dK and dV sums per thread and splits
+    short problems' keys across cores by BLOCK_N)."""
+    block_m, block_n = tile_sizes(pb)
+    return block_m, min(block_n, (1 << 20) // (block_m * accumulator_dtype(pb.dtype).itemsize))
 
 
 #: The machine's cores (not those this process may use, nor the thread count): backward_splits
@@ -83,7 +93,7 @@ def backward_splits(pb: Problem, groups: int) -> int:
     cores = MACHINE_CORES
     if groups >= cores or groups == 0:  # no group (an empty batch): nothing to split
         return 1
-    _, block_n = tile_sizes(pb)
+    _, block_n = backward_tile_sizes(pb)
     return max(1, min(8, -(-2 * cores // groups), -(-pb.seqlen_k // block_n)))
 
 
@@ -421,7 +431,7 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
     if bias_grad:
         full = (1,) * (len(pb.batch) + 3 - len(pb.bias_shape)) + pb.bias_shape
         dbias = np.zeros(full, dtype=acc)
-    block_m, block_n = tile_sizes(pb)
+    block_m, block_n = backward_tile_sizes(pb)
     kernels = cpu_kernels.kernels()
     k, v = _as_operand(pb.k, acc), _as_operand(pb.v, acc)
     scale, scale2 = acc.type(pb.scale), acc.type(pb.scale * LOG2E)

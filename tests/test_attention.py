@@ -219,6 +219,22 @@ def test_varlen_equals_padded(data) -> None:
     np.testing.assert_allclose(grads[4], padded_grads[4], rtol=1e-9, atol=1e-9)
 
 
+def test_packed_equals_padded_in_a_longer_frame_with_wide_key_tiles() -> None:
+    """A padded frame longer than its longest sequence tiles as the packed call does: the CPU
+    forward's key tiles follow the longest valid length, not the frame (few rows a task take
+    wider key tiles), so the two agree bitwise past 1024 keys."""
+    rs = np.random.default_rng(21)
+    ql, kl = np.array([100, 60]), np.array([3000, 2500])
+    q = rs.standard_normal((2, 2, 300, 64)).astype(F32)
+    k, v = (rs.standard_normal((2, 2, 3000, 64)).astype(F32) for _ in range(2))
+    padded_out, padded_lse = fc.flash_attention(q, k, v, q_lengths=ql, kv_lengths=kl, return_lse=True,
+                                                backend="cpu")
+    packed = [padded_to_packed(x, n) for x, n in ((q, ql), (k, kl), (v, kl))]
+    out, lse = fc.flash_attention_varlen(*packed, cu_seqlens(ql), cu_seqlens(kl), return_lse=True, backend="cpu")
+    np.testing.assert_array_equal(out, padded_to_packed(padded_out, ql))
+    np.testing.assert_array_equal(lse, padded_to_packed(padded_lse[..., None], ql)[..., 0])
+
+
 def test_gqa_equals_repeated_heads() -> None:
     case = _case((2, 6, 25, 8), (2, 2, 31, 8), tiles=(8, 8), causal=True)
     out, vjp = fc.flash_attention_vjp(case.q, case.k, case.v, backend="cpu", causal=True)

@@ -234,11 +234,11 @@ def test_decoding_stacks_a_kv_heads_query_heads_alike_on_every_thread_count(monk
     taken = []
     packed = cpu._packed
     monkeypatch.setattr(cpu, "_packed", lambda pb, block_m: taken.append(packed(pb, block_m)) or taken[-1])
+    monkeypatch.setattr(cpu, "MACHINE_CORES", 2)  # two groups are enough on any machine
     rs = np.random.default_rng(3)
-    groups = max(2, cpu.MACHINE_CORES)
-    q = rs.standard_normal((groups, 8, 2, 64)).astype(np.float32)
-    k, v = (rs.standard_normal((groups, 2, 700, 64)).astype(np.float32) for _ in range(2))
-    options = {"causal": True, "window": (500, 0), "softcap": 20.0, "kv_lengths": rs.integers(1, 701, groups),
+    q = rs.standard_normal((1, 8, 2, 64)).astype(np.float32)
+    k, v = (rs.standard_normal((1, 2, 9000, 64)).astype(np.float32) for _ in range(2))  # several 4096-key tiles
+    options = {"causal": True, "window": (7000, 0), "softcap": 20.0, "kv_lengths": np.array([8800]),
                "return_lse": True}
     results = []
     for threads in (1, 2, 3):
