@@ -150,6 +150,7 @@ def flash_attention_with_kvcache(
         _shape("v_cache", v_cache, (n_blocks, hk, block_size, None), "num_blocks, Hk, block_size, Dv like k_cache")
         table = host_array("block_table", block_table)
         if xp is not np and interop.is_gpu_array(block_table):  # a CuPy view of the caller's device table
+            # (host_array above read it back for the checks: a copy, and a sync of the stream)
             device_table = interop.to_device(block_table)
         if table.dtype.kind not in "iu":
             raise TypeError(f"block_table: expected integers, received dtype {dtype_name(table.dtype)}")
@@ -207,6 +208,7 @@ def flash_attention_with_kvcache(
         whole = (k_cache, v_cache) if not paged else tuple(
             _standin(xp, q.dtype, (batch, hk, capacity, c.shape[-1])) for c in (k_cache, v_cache))
         pb = make_device_problem(q, *whole, options)
+        _cuda_decode().kernels(q, v_cache, pb)  # compiled before the cache is written
     else:
         options["kv_lengths"] = total
         if paged:

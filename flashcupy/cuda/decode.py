@@ -144,6 +144,16 @@ def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
     return min(range(1, most + 1), key=lambda s: -(-blocks * s // slots) / s * (1 + 0.01 * s))
 
 
+def kernels(q: Any, v_cache: Any, pb: Problem) -> tuple[Any, Any, int, int]:
+    """(split kernel, merge kernel, keys a step, shared memory) of a call, compiled (once a
+    process; flash_attention_with_kvcache asks before it writes the cache, so a compile error
+    leaves the cache as it was)."""
+    split_name, tile, smem = plan(pb.dtype, q.shape[-1], v_cache.shape[-1], pb.group_size * q.shape[2], q.device.id)
+    split_fn = get_function("decode", split_name, q.device.id, smem)
+    merge_fn = get_function("decode", f"flash::decode_merge<{CXX_TYPE[_dtype_name(pb.dtype)]}>", q.device.id)
+    return split_fn, merge_fn, tile, smem
+
+
 #: DecodeParams' pointer fields, in the order decode fills them.
 _POINTERS = ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o", "lse")
 
@@ -173,10 +183,9 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb:
     lse = _empty((batch, hq, lq), acc, cp)
     if out.size == 0 and lse.size == 0:
         return out, lse
-    split_name, tile, smem = plan(pb.dtype, d, dv, pb.group_size * lq, q.device.id)
+    split_fn, merge_fn, tile, smem = kernels(q, v_cache, pb)
     device_id = q.device.id
     max_keys = int(keys.max()) if batch else 0
-    split_fn = get_function("decode", split_name, device_id, smem)
     if num_splits <= 0:
         slots = _resident_blocks(device_id, smem, int(getattr(split_fn, "num_regs", 0)))
         num_splits = choose_splits(batch * hk, max_keys, slots)
@@ -223,7 +232,6 @@ def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb:
         keep.append(sinks)
         pointers["sinks"] = sinks.data.ptr
     block = _template(tuple(fields.items())).fill(*pointers.values())
-    merge_fn = get_function("decode", f"flash::decode_merge<{CXX_TYPE[_dtype_name(pb.dtype)]}>", device_id)
     if batch * hk:
         split_fn((batch * hk, num_splits), (THREADS,), (block,), shared_mem=smem)
     merge_fn((batch * hq * lq,), (THREADS,), (block,))
