@@ -55,7 +55,7 @@ def tile_sizes(pb: Problem) -> tuple[int, int]:
     stay in cache between the two products and the elementwise passes. Wider head
     dims take more query rows per tile, which suits the K Q^T product. Where a task has
     fewer rows than BLOCK_M (decoding: a query or a few a head, or a group's heads stacked,
-    :func:`_packed`) and no mask makes the key tiles' edges matter, its keys grow to keep
+    :func:`_stacked`) and no mask makes the key tiles' edges matter, its keys grow to keep
     the tile near 1 MiB, up to MAX_BLOCK_N.
     """
     block_m = 256 if pb.head_dim <= 64 else 512
@@ -63,7 +63,7 @@ def tile_sizes(pb: Problem) -> tuple[int, int]:
     block_n = (1 << 20) // (block_m * itemsize)
     # the longest valid query length (a padded call with q_lengths tiles as its packed twin)
     longest = pb.seqlen_q if pb.q_lengths is None else int(np.max(pb.q_lengths, initial=0))
-    rows = min(block_m, max(1, longest)) * (pb.group_size if _packed(pb, block_m) else 1)
+    rows = min(block_m, max(1, longest)) * max(1, _stacked(pb, block_m) * pb.group_size)
     if rows < block_m and pb.mask is None and pb.block_mask is None:
         block_n = max(block_n, min(MAX_BLOCK_N, (1 << 20) // (rows * itemsize)))
     return block_m, block_n
@@ -274,17 +274,23 @@ def _attended(pb: Problem, seg: Segment, i0: int, i1: int, keys: tuple[int, int]
 MAX_BLOCK_N = 4096
 
 
-def _packed(pb: Problem, block_m: int) -> bool:
-    """Whether the forward runs each (batch, kv head) group's query heads as one task, their
-    rows stacked, so K and V are read once a group instead of once a query head (decoding:
-    a few rows against many keys). Only where no score term differs between the heads (no
-    bias, mask, block mask, ALiBi or dropout), every row is valid (no q_lengths, not packed
-    sequences), the stacked rows fit one block, and there are at least as many groups as the
-    machine has cores (MACHINE_CORES: never the thread count, so results do not depend on it)."""
+def _stacked(pb: Problem, block_m: int) -> int:
+    """KV heads a forward task takes together, their query heads' rows stacked (0: one query
+    head a task, as for long queries). Decoding is a few rows against many keys: stacked, each
+    K and V is read once a KV head rather than once a query head, and a task's Python work
+    serves many heads. Only where no score term differs between heads (no bias, mask, block
+    mask, ALiBi or dropout), every row is valid (no q_lengths, not packed sequences), a KV
+    head's rows (G Lq) fit one block and there are at least as many (batch, kv head) groups as
+    the machine has cores; as many KV heads as keep that many tasks and the rows in a block.
+    It depends on the problem and MACHINE_CORES, never on the thread count, so results do not."""
     groups = math.prod(pb.batch) * pb.num_heads_k
-    return (pb.group_size > 1 and not pb.varlen and pb.q_lengths is None and pb.bias is None and pb.mask is None
-            and pb.block_mask is None and pb.alibi_slopes is None and pb.dropout_p == 0
-            and pb.group_size * pb.seqlen_q <= block_m and groups >= MACHINE_CORES)
+    rows = pb.group_size * pb.seqlen_q
+    if (pb.varlen or pb.q_lengths is not None or pb.bias is not None or pb.mask is not None
+            or pb.block_mask is not None or pb.alibi_slopes is not None or pb.dropout_p > 0
+            or not 0 < rows <= block_m or groups < MACHINE_CORES):
+        return 0
+    heads = max(1, min(pb.num_heads_k, block_m // rows, groups // MACHINE_CORES))
+    return heads if pb.group_size > 1 or heads > 1 else 0
 
 
 @np.errstate(all="ignore")  # Inf/NaN inputs flow through to the results without RuntimeWarnings
@@ -298,11 +304,16 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
     k, v = _as_operand(pb.k, acc), _as_operand(pb.v, acc)
     scale2 = acc.type(pb.scale * LOG2E)
     tasks, costs = [], []
-    packed = _packed(pb, block_m)
-    if packed:  # (segments of one group, 0, Lq): every row valid, the group's heads adjacent in q and out
+    stacked = _stacked(pb, block_m)
+    if stacked:  # (segments of `stacked` kv heads' query heads, 0, Lq): every row valid, heads adjacent
         for group in _groups(pb):
-            tasks.append((group, 0, pb.seqlen_q))
-            costs.append(len(group) * _attended(pb, group[0], 0, pb.seqlen_q))
+            head = group[0].k_index[-1]
+            if head % stacked == 0:
+                tasks.append(([], 0, pb.seqlen_q))
+                costs.append(0)
+            tasks[-1][0].extend(group)
+            costs[-1] += len(group) * _attended(pb, group[0], 0, pb.seqlen_q)
+        tasks = [(tuple(segs), i0, i1) for segs, i0, i1 in tasks]
     else:
         for seg in pb.segments():
             out[seg.q_index][seg.q_len :] = 0  # padded rows: output 0, lse -inf
@@ -313,8 +324,8 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 costs.append(_attended(pb, seg, i0, i1))
 
     def rows_of(x: np.ndarray, segs: tuple[Segment, ...], i0: int, i1: int) -> np.ndarray:
-        """Rows [i0, i1) of x (q, out or lse) for a task's segments: one segment's frame, or a
-        group's adjacent heads (*batch, heads, Lq, ...) with the head axis kept."""
+        """Rows [i0, i1) of x (q, out or lse) for a task's segments: one segment's frame, or
+        stacked KV heads' adjacent query heads (*batch, heads, Lq, ...) with the head axis kept."""
         if len(segs) == 1:
             return x[segs[0].q_index][i0:i1]
         first = segs[0].q_index
@@ -325,9 +336,15 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
         seg, heads = segs[0], len(segs)
         rows = heads * (i1 - i0)
         q = scratch.get("q", rows, pb.head_dim)
-        q_rows = rows_of(pb.q, segs, i0, i1)  # a group's heads stacked: row h (i1 - i0) + i
+        q_rows = rows_of(pb.q, segs, i0, i1)  # query heads stacked: row h (i1 - i0) + i
         np.multiply(q_rows, scale2, out=q.reshape(q_rows.shape), dtype=acc)  # scale log2(e) Q, rounded once
-        ks, vs = k[seg.k_index], v[seg.k_index]
+        kv = max(1, heads // pb.group_size)  # KV heads: each of its query heads' rows stacked, gr rows a KV head
+        gr = rows // kv
+        if kv == 1:
+            ks, vs = k[seg.k_index], v[seg.k_index]  # (Lk, D), (Lk, Dv)
+        else:  # (kv, Lk, D), (kv, Lk, Dv): the task's KV heads, adjacent
+            heads_k = seg.k_index[:-1] + (slice(seg.k_index[-1], seg.k_index[-1] + kv),)
+            ks, vs = k[heads_k], v[heads_k]
         m = scratch.get("m", rows)  # running shift (base 2), moved up lazily
         m[...] = -np.inf
         l = scratch.get("l", rows)  # running row sum of 2^(S - m)
@@ -341,12 +358,17 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
             if ranges is not None and heads > 1:  # the same positions in every head
                 ranges = (np.tile(ranges[0], heads), np.tile(ranges[1], heads))
             st = scratch.get("s", j1 - j0, rows)
-            np.matmul(ks[j0:j1], q.T, out=st)  # S^T = scale log2(e) K Q^T
+            if kv == 1:
+                np.matmul(ks[j0:j1], q.T, out=st)  # S^T = scale log2(e) K Q^T
+            else:  # per KV head, then its columns placed beside the others': (keys, kv gr)
+                s3 = scratch.get("s3", kv, j1 - j0, gr)
+                np.matmul(ks[:, j0:j1], q.reshape(kv, gr, -1).transpose(0, 2, 1), out=s3)
+                np.copyto(st.reshape(j1 - j0, kv, gr), s3.transpose(1, 0, 2))
             _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
             count = kernels.forward_tile(st, m, l, alpha, vectors, damaged, False)  # P^T = 2^(S^T - m)
             for c in damaged[:count]:  # a query whose scores leapt past its shift: alone, exactly
                 column = scratch.get("column", j1 - j0, 1)
-                np.matmul(ks[j0:j1], q[c : c + 1].T, out=column)
+                np.matmul((ks if kv == 1 else ks[c // gr])[j0:j1], q[c : c + 1].T, out=column)
                 row = i0 + c % (i1 - i0)  # the query's position (in its head, when stacked)
                 _scores(pb, seg, column, row, j0, ranges and (ranges[0][c : c + 1], ranges[1][c : c + 1]),
                         None if keep is None else keep[c : c + 1], kernels)
@@ -357,7 +379,11 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 z = scratch.get("z", j1 - j0, rows)
                 kernels.dropout_scale(z, pb.seed, pb.dropout_offset, seg.bh, i0, j0, pb.dropout_p)
                 st *= z
-            np.matmul(st.T, vs[j0:j1], out=pv)
+            if kv == 1:
+                np.matmul(st.T, vs[j0:j1], out=pv)
+            else:  # P of each KV head's rows against its V
+                np.matmul(st.reshape(j1 - j0, kv, gr).transpose(1, 2, 0), vs[:, j0:j1],
+                          out=pv.reshape(kv, gr, pb.head_dim_v))
             kernels.rescale_add(o, alpha, pv)  # O = alpha O + P V
         out_rows = rows_of(out, segs, i0, i1).reshape(rows, pb.head_dim_v)  # views: out is C-contiguous
         lse_rows = rows_of(lse, segs, i0, i1).reshape(rows)

@@ -225,26 +225,31 @@ def test_scratch_is_made_once_per_thread():
     assert 1 <= len(made) <= 2 and sorted(sum(made, [])) == list(range(50))
 
 
-def test_decoding_stacks_a_kv_heads_query_heads_alike_on_every_thread_count(monkeypatch):
-    """A few queries a head (decoding) with GQA run each (batch, kv head) group's query heads
-    as one task, their rows stacked, when there are at least as many groups as the machine's
-    cores: bitwise the same on 1, 2 and 3 threads, and the reference's result."""
+@pytest.mark.parametrize("q_shape, k_shape, kv_heads", [
+    ((1, 8, 2, 64), (1, 2, 9000, 64), 1),  # GQA 4: a KV head a task, several 4096-key tiles
+    ((1, 8, 1, 32), (1, 4, 3000, 32), 2),  # GQA 2: two KV heads a task
+    ((2, 6, 1, 64), (2, 6, 3000, 64), 6),  # MHA: a sequence's six heads a task
+])
+def test_decoding_stacks_kv_heads_alike_on_every_thread_count(monkeypatch, q_shape, k_shape, kv_heads):
+    """A few queries a head (decoding) run several heads as one task, their rows stacked, when
+    there are at least as many (batch, kv head) groups as the machine's cores (set to 2 here):
+    bitwise the same on 1, 2 and 3 threads, and the reference's result."""
     from flashcupy import cpu
 
     taken = []
-    packed = cpu._packed
-    monkeypatch.setattr(cpu, "_packed", lambda pb, block_m: taken.append(packed(pb, block_m)) or taken[-1])
-    monkeypatch.setattr(cpu, "MACHINE_CORES", 2)  # two groups are enough on any machine
+    stacked = cpu._stacked
+    monkeypatch.setattr(cpu, "_stacked", lambda pb, block_m: taken.append(stacked(pb, block_m)) or taken[-1])
+    monkeypatch.setattr(cpu, "MACHINE_CORES", 2)
     rs = np.random.default_rng(3)
-    q = rs.standard_normal((1, 8, 2, 64)).astype(np.float32)
-    k, v = (rs.standard_normal((1, 2, 9000, 64)).astype(np.float32) for _ in range(2))  # several 4096-key tiles
-    options = {"causal": True, "window": (7000, 0), "softcap": 20.0, "kv_lengths": np.array([8800]),
-               "return_lse": True}
+    q = rs.standard_normal(q_shape).astype(np.float32)
+    k, v = (rs.standard_normal(k_shape).astype(np.float32) for _ in range(2))
+    options = {"causal": True, "window": (k_shape[2] - 900, 0), "softcap": 20.0,
+               "kv_lengths": rs.integers(k_shape[2] - 300, k_shape[2] + 1, q_shape[0]), "return_lse": True}
     results = []
     for threads in (1, 2, 3):
         with fc.cpu_threads(threads):
             results.append(fc.flash_attention(q, k, v, backend="cpu", **options))
-    assert taken and all(taken)
+    assert taken and all(t == kv_heads for t in taken)
     for out, lse in results[1:]:
         np.testing.assert_array_equal(out, results[0][0])
         np.testing.assert_array_equal(lse, results[0][1])
