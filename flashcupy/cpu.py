@@ -16,7 +16,9 @@ memory is O(L) per thread, and key tiles that causal, window, block or boolean
 masks rule out entirely are never computed; causal and window bounds inside a
 tile are applied per query as key ranges.
 
-Work. The forward's tasks are (segment, query block) pairs; the backward's are
+Work. The forward's tasks are (segment, query block) pairs, or, for a few query rows a head
+(decoding), several KV heads with their query heads' rows stacked (:func:`_stacked`: K and V
+read once a KV head); the backward's are
 (batch, kv head) groups, each owning dK and dV of its keys and dQ of its query
 heads, so no two tasks write the same element. When there are fewer groups
 than cores, each group's keys are cut into ranges whose dQ contributions are
