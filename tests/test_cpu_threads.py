@@ -229,11 +229,14 @@ def test_scratch_is_made_once_per_thread():
     ((1, 8, 2, 64), (1, 2, 9000, 64), 1),  # GQA 4: a KV head a task, several 4096-key tiles
     ((1, 8, 1, 32), (1, 4, 3000, 32), 2),  # GQA 2: two KV heads a task
     ((2, 6, 1, 64), (2, 6, 3000, 64), 6),  # MHA: a sequence's six heads a task
+    ((1, 8, 1, 64), (1, 1, 3000, 64), 1),  # MQA, fewer groups than cores: still, one query a head
+    ((1, 8, 8, 64), (1, 1, 3000, 64), 0),  # ... but not with 8 queries a head: one head a task
 ])
 def test_decoding_stacks_kv_heads_alike_on_every_thread_count(monkeypatch, q_shape, k_shape, kv_heads):
     """A few queries a head (decoding) run several heads as one task, their rows stacked, when
-    there are at least as many (batch, kv head) groups as the machine's cores (set to 2 here):
-    bitwise the same on 1, 2 and 3 threads, and the reference's result."""
+    there are at least as many (batch, kv head) groups as the machine's cores (set to 2 here)
+    or at most DECODE_ROWS queries a head: bitwise the same on 1, 2 and 3 threads, and the
+    reference's result."""
     from flashcupy import cpu
 
     taken = []
