@@ -134,6 +134,26 @@ __device__ __forceinline__ Acc decode_score(Acc x, bool softcap, Acc cap_log2, A
     return key >= lo && key < hi ? x : neg_inf<Acc>();
 }
 
+// A block's coordinates and the score's scalars, as both split kernels read them: sequence b,
+// KV head hk and split; its rows (group * Lq of them) start at out row row0 of total_rows;
+// `keys` the sequence attends. S = scale q.k, or softcap tanh(scale q.k / softcap), in log2
+// units: q_mul = scale * log2(e) (or scale / softcap, the tanh's argument), cap_log2 the
+// softcap * log2(e) the tanh is multiplied by.
+template <typename Acc>
+struct DecodeBlock {
+    int b, hk, split, group, rows, keys;
+    i64 total_rows, row0;
+    bool softcap;
+    Acc q_mul, cap_log2;
+
+    __device__ __forceinline__ explicit DecodeBlock(const DecodeParams& p)
+        : b(blockIdx.x / p.hk), hk(blockIdx.x % p.hk), split(blockIdx.y), group(p.hq / p.hk),
+          rows(group * p.lq), keys(p.keys != nullptr ? p.keys[b] : p.keys_all),
+          total_rows(i64(p.batch) * p.hq * p.lq), row0((i64(b) * p.hq + i64(hk) * group) * p.lq),
+          softcap(p.softcap != 0.0), q_mul(Acc(softcap ? p.scale / p.softcap : p.scale * kLog2e)),
+          cap_log2(Acc(p.softcap * kLog2e)) {}
+};
+
 template <typename T, int HK, int HV, int ROWS, int SMEM_BYTES>
 __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
     using Shape = DecodeShape<T, HK, HV, ROWS>;
@@ -157,19 +177,14 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
     int* sPos = sHi + ROWS;                                        // i + keys - Lq: the row's diagonal key
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int b = blockIdx.x / p.hk, hk = blockIdx.x % p.hk, split = blockIdx.y;
-    const int group = p.hq / p.hk, rows = group * p.lq;
-    const int keys = p.keys != nullptr ? p.keys[b] : p.keys_all;
-    const i64 total_rows = i64(p.batch) * p.hq * p.lq;
-    const i64 row0 = (i64(b) * p.hq + i64(hk) * group) * p.lq;  // the block's first row of out
+    const DecodeBlock<Acc> blk(p);
+    const int b = blk.b, hk = blk.hk, split = blk.split, group = blk.group, rows = blk.rows, keys = blk.keys;
+    const i64 total_rows = blk.total_rows, row0 = blk.row0;
+    const bool softcap = blk.softcap;
+    const Acc q_mul = blk.q_mul, cap_log2 = blk.cap_log2;
     const T* gQ = static_cast<const T*>(p.q);
     const T* gK = static_cast<const T*>(p.k);
     const T* gV = static_cast<const T*>(p.v);
-    const bool softcap = p.softcap != 0.0;
-    // S = scale q.k, or softcap tanh(scale q.k / softcap), then minus slope |pos - key|; in
-    // log2 units: q carries scale * log2(e) (or scale / softcap, the tanh's argument).
-    const Acc q_mul = Acc(softcap ? p.scale / p.softcap : p.scale * kLog2e);
-    const Acc cap_log2 = Acc(p.softcap * kLog2e);
 
     for (int r = tid; r < ROWS; r += THREADS) {
         const DecodeRow row = decode_row(p, b, hk, r, rows, keys);
@@ -440,17 +455,14 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     int* sPos = sHi + ROWS;
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int b = blockIdx.x / p.hk, hk = blockIdx.x % p.hk, split = blockIdx.y;
-    const int group = p.hq / p.hk, rows = group * p.lq;
-    const int keys = p.keys != nullptr ? p.keys[b] : p.keys_all;
-    const i64 total_rows = i64(p.batch) * p.hq * p.lq;
-    const i64 row0 = (i64(b) * p.hq + i64(hk) * group) * p.lq;
+    const DecodeBlock<float> blk(p);
+    const int b = blk.b, hk = blk.hk, split = blk.split, group = blk.group, rows = blk.rows, keys = blk.keys;
+    const i64 total_rows = blk.total_rows, row0 = blk.row0;
+    const bool softcap = blk.softcap;
+    const float q_mul = blk.q_mul, cap_log2 = blk.cap_log2;
     const T* gQ = static_cast<const T*>(p.q);
     const T* gK = static_cast<const T*>(p.k);
     const T* gV = static_cast<const T*>(p.v);
-    const bool softcap = p.softcap != 0.0;
-    const float q_mul = float(softcap ? p.scale / p.softcap : p.scale * kLog2e);
-    const float cap_log2 = float(p.softcap * kLog2e);
 
     if (tid < ROWS) {
         const DecodeRow row = decode_row(p, b, hk, tid, rows, keys);
