@@ -32,12 +32,12 @@ STAGES = 4
 MIN_SPLIT_KEYS = 512
 
 
-def _dtype_name(dtype: np.dtype) -> str:
-    return np.dtype(dtype).name
-
-
 #: Warps of decode_split_mma and keys a warp's tile: a block steps over WARPS * 16 keys.
 MMA_WARPS, MMA_KEYS = 4, 16
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return np.dtype(dtype).name
 
 
 @functools.cache
