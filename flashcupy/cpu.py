@@ -190,9 +190,11 @@ def _key_tiles(pb: Problem, seg: Segment, i0: int, i1: int, block_n: int,
             yield (j0, j1) + masks
 
 
-def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges, keep, kernels):
+def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges, keep, kernels, heads: int = 1):
     """Turn S^T log2(e) = scale log2(e) K Q^T (keys, rows) into the final scores (base 2)
-    in place; returns tanh(S_raw / softcap) transposed (None without softcap).
+    in place; returns tanh(S_raw / softcap) transposed (None without softcap). ``heads``:
+    query heads whose rows are stacked in st (:func:`_stacked`, only for a bias that is the
+    same in every head), each rows / heads of them from i0.
 
     Masked scores become -inf, which exp2 turns into an exact 0 probability.
     """
@@ -203,7 +205,8 @@ def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges,
         tanh = np.tanh(st / softcap)
         np.multiply(tanh, softcap, out=st)  # S = softcap * tanh(S / softcap)
     if pb.bias is not None:
-        st += np.multiply(pb.bias[seg.head][i0 : i0 + rows, j0 : j0 + cols].T, LOG2E, dtype=st.dtype)
+        tile = pb.bias[seg.head][i0 : i0 + rows // heads, j0 : j0 + cols]
+        st += np.multiply(np.tile(tile, (heads, 1)).T if heads > 1 else tile.T, LOG2E, dtype=st.dtype)
     if pb.alibi_slopes is not None:
         dist = np.abs(np.arange(i0, i0 + rows)[None, :] + seg.diagonal - np.arange(j0, j0 + cols)[:, None])
         st -= (pb.alibi_slopes[seg.head] * LOG2E * dist).astype(st.dtype)  # S -= slope * |i + Lk - Lq - j|
@@ -285,9 +288,9 @@ def _stacked(pb: Problem, block_m: int) -> int:
     """KV heads a forward task takes together, their query heads' rows stacked (0: one query
     head a task, as for long queries). Decoding is a few rows against many keys: stacked, each
     K and V is read once a KV head rather than once a query head, and a task's Python work
-    serves many heads. Only where no score term differs between heads (no bias, mask, block
-    mask, ALiBi or dropout), every row is valid (no q_lengths, not packed sequences), a KV
-    head's rows (G Lq) fit one block, and either there are at least as many (batch, kv head)
+    serves many heads. Only where no score term differs between heads (a bias, mask or block
+    mask broadcast over the heads, as a padding mask is; no ALiBi or dropout), every row is
+    valid (no q_lengths, not packed sequences), a KV head's rows (G Lq) fit one block, and either there are at least as many (batch, kv head)
     groups as the machine has cores or the queries are at most DECODE_ROWS a head (their
     products are bound by reading K and V, which stacking cuts G-fold, not by the cores: MQA
     with 32 query heads, 16k keys, 2 cores: 21 -> 6 ms); as many KV heads as leave a task per
@@ -295,8 +298,8 @@ def _stacked(pb: Problem, block_m: int) -> int:
     thread count, so results do not."""
     groups = math.prod(pb.batch) * pb.num_heads_k
     rows = pb.group_size * pb.seqlen_q
-    if (pb.varlen or pb.q_lengths is not None or pb.bias is not None or pb.mask is not None
-            or pb.block_mask is not None or pb.alibi_slopes is not None or pb.dropout_p > 0
+    per_head = [x for x in (pb.bias, pb.mask, pb.block_mask) if x is not None and x.strides[len(pb.batch)] != 0]
+    if (pb.varlen or pb.q_lengths is not None or per_head or pb.alibi_slopes is not None or pb.dropout_p > 0
             or not 0 < rows <= block_m or (groups < MACHINE_CORES and pb.seqlen_q > DECODE_ROWS)):
         return 0
     heads = max(1, min(pb.num_heads_k, block_m // rows, groups // MACHINE_CORES))
@@ -365,8 +368,9 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
         o[...] = 0
         pv = scratch.get("pv", rows, pb.head_dim_v)
         for j0, j1, ranges, keep in _key_tiles(pb, seg, i0, i1, block_n):
-            if ranges is not None and heads > 1:  # the same positions in every head
-                ranges = (np.tile(ranges[0], heads), np.tile(ranges[1], heads))
+            if heads > 1:  # the same positions, and masks the same in every head
+                ranges = ranges and (np.tile(ranges[0], heads), np.tile(ranges[1], heads))
+                keep = None if keep is None else np.tile(keep, (heads, 1))
             st = scratch.get("s", j1 - j0, rows)
             if kv == 1:
                 np.matmul(ks[j0:j1], q.T, out=st)  # S^T = scale log2(e) K Q^T
@@ -374,7 +378,7 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 s3 = scratch.get("s3", kv, j1 - j0, gr)
                 np.matmul(ks[:, j0:j1], q.reshape(kv, gr, -1).transpose(0, 2, 1), out=s3)
                 np.copyto(st.reshape(j1 - j0, kv, gr), s3.transpose(1, 0, 2))
-            _scores(pb, seg, st, i0, j0, ranges, keep, kernels)
+            _scores(pb, seg, st, i0, j0, ranges, keep, kernels, heads)
             count = kernels.forward_tile(st, m, l, alpha, vectors, damaged, False)  # P^T = 2^(S^T - m)
             for c in damaged[:count]:  # a query whose scores leapt past its shift: alone, exactly
                 column = scratch.get("column", j1 - j0, 1)

@@ -232,7 +232,8 @@ def test_scratch_is_made_once_per_thread():
     ((1, 8, 1, 64), (1, 1, 3000, 64), 1),  # MQA, fewer groups than cores: still, one query a head
     ((1, 8, 8, 64), (1, 1, 3000, 64), 0),  # ... but not with 8 queries a head: one head a task
 ])
-def test_decoding_stacks_kv_heads_alike_on_every_thread_count(monkeypatch, q_shape, k_shape, kv_heads):
+@pytest.mark.parametrize("padding", [None, "bias", "mask"])
+def test_decoding_stacks_kv_heads_alike_on_every_thread_count(monkeypatch, q_shape, k_shape, kv_heads, padding):
     """A few queries a head (decoding) run several heads as one task, their rows stacked, when
     there are at least as many (batch, kv head) groups as the machine's cores (set to 2 here)
     or at most DECODE_ROWS queries a head: bitwise the same on 1, 2 and 3 threads, and the
@@ -248,6 +249,10 @@ def test_decoding_stacks_kv_heads_alike_on_every_thread_count(monkeypatch, q_sha
     k, v = (rs.standard_normal(k_shape).astype(np.float32) for _ in range(2))
     options = {"causal": True, "window": (k_shape[2] - 900, 0), "softcap": 20.0,
                "kv_lengths": rs.integers(k_shape[2] - 300, k_shape[2] + 1, q_shape[0]), "return_lse": True}
+    if padding == "bias":  # a key-padding bias, the same in every head (B, 1, 1, Lk)
+        options["bias"] = np.where(rs.random((q_shape[0], 1, 1, k_shape[2])) < 0.1, -1e4, 0.0).astype(np.float32)
+    elif padding == "mask":  # a mask the same in every head (B, 1, Lq, Lk)
+        options["mask"] = rs.random((q_shape[0], 1, q_shape[2], k_shape[2])) < 0.9
     results = []
     for threads in (1, 2, 3):
         with fc.cpu_threads(threads):
@@ -259,3 +264,22 @@ def test_decoding_stacks_kv_heads_alike_on_every_thread_count(monkeypatch, q_sha
     ref, ref_lse = fc.attention_reference(q, k, v, **options)
     np.testing.assert_allclose(results[0][0], ref, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(results[0][1], ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_a_bias_that_differs_between_heads_keeps_one_head_a_task(monkeypatch):
+    """A per-head bias (or ALiBi) changes the scores head by head: no stacking, same results."""
+    from flashcupy import cpu
+
+    taken = []
+    stacked = cpu._stacked
+    monkeypatch.setattr(cpu, "_stacked", lambda pb, block_m: taken.append(stacked(pb, block_m)) or taken[-1])
+    monkeypatch.setattr(cpu, "MACHINE_CORES", 1)
+    rs = np.random.default_rng(4)
+    q = rs.standard_normal((2, 8, 1, 32)).astype(np.float32)
+    k, v = (rs.standard_normal((2, 2, 500, 32)).astype(np.float32) for _ in range(2))
+    for option in ({"bias": rs.standard_normal((2, 8, 1, 500)).astype(np.float32)},
+                   {"alibi_slopes": rs.uniform(0, 0.1, 8)}):
+        taken.clear()
+        out = fc.flash_attention(q, k, v, backend="cpu", **option)
+        assert taken and not any(taken)
+        np.testing.assert_allclose(out, fc.attention_reference(q, k, v, **option), atol=2e-5, rtol=1e-4)
