@@ -193,8 +193,8 @@ def _key_tiles(pb: Problem, seg: Segment, i0: int, i1: int, block_n: int,
 def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges, keep, kernels, heads: int = 1):
     """Turn S^T log2(e) = scale log2(e) K Q^T (keys, rows) into the final scores (base 2)
     in place; returns tanh(S_raw / softcap) transposed (None without softcap). ``heads``:
-    query heads whose rows are stacked in st (:func:`_stacked`, only for a bias that is the
-    same in every head), each rows / heads of them from i0.
+    query heads whose rows are stacked in st (:func:`_stacked`: a bias the same in every head,
+    ALiBi's slope each head's own), each rows / heads of them from i0, seg the first.
 
     Masked scores become -inf, which exp2 turns into an exact 0 probability.
     """
@@ -208,8 +208,14 @@ def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges,
         tile = pb.bias[seg.head][i0 : i0 + rows // heads, j0 : j0 + cols]
         st += np.multiply(np.tile(tile, (heads, 1)).T if heads > 1 else tile.T, LOG2E, dtype=st.dtype)
     if pb.alibi_slopes is not None:
-        dist = np.abs(np.arange(i0, i0 + rows)[None, :] + seg.diagonal - np.arange(j0, j0 + cols)[:, None])
-        st -= (pb.alibi_slopes[seg.head] * LOG2E * dist).astype(st.dtype)  # S -= slope * |i + Lk - Lq - j|
+        positions = np.arange(i0, i0 + rows // heads)
+        slope = pb.alibi_slopes[seg.head]
+        if heads > 1:  # stacked heads: each row its head's slope and its own position
+            slope = np.repeat(pb.alibi_slopes[seg.head[:-1] + (slice(seg.head[-1], seg.head[-1] + heads),)],
+                              rows // heads)
+            positions = np.tile(positions, heads)
+        dist = np.abs(positions[None, :] + seg.diagonal - np.arange(j0, j0 + cols)[:, None])
+        st -= (slope * LOG2E * dist).astype(st.dtype)  # S -= slope * |i + Lk - Lq - j|
     if ranges is not None:
         kernels.mask_outside(st, *ranges)
     if keep is not None:
@@ -288,18 +294,18 @@ def _stacked(pb: Problem, block_m: int) -> int:
     """KV heads a forward task takes together, their query heads' rows stacked (0: one query
     head a task, as for long queries). Decoding is a few rows against many keys: stacked, each
     K and V is read once a KV head rather than once a query head, and a task's Python work
-    serves many heads. Only where no score term differs between heads (a bias, mask or block
-    mask broadcast over the heads, as a padding mask is; no ALiBi or dropout), every row is
-    valid (no q_lengths, not packed sequences), a KV head's rows (G Lq) fit one block, and either there are at least as many (batch, kv head)
-    groups as the machine has cores or the queries are at most DECODE_ROWS a head (their
-    products are bound by reading K and V, which stacking cuts G-fold, not by the cores: MQA
-    with 32 query heads, 16k keys, 2 cores: 21 -> 6 ms); as many KV heads as leave a task per
-    core and the rows in a block. It depends on the problem and MACHINE_CORES, never on the
-    thread count, so results do not."""
+    serves many heads. Only where no score term but ALiBi's slope differs between heads (a
+    bias, mask or block mask broadcast over the heads, as a padding mask is; no dropout),
+    every row is valid (no q_lengths, not packed sequences), a KV head's rows (G Lq) fit one
+    block, and either there are at least as many (batch, kv head) groups as the machine has
+    cores or the queries are at most DECODE_ROWS a head (their products are bound by reading
+    K and V, which stacking cuts G-fold, not by the cores: MQA with 32 query heads, 16k keys,
+    2 cores: 21 -> 6 ms); as many KV heads as leave a task per core and the rows in a block.
+    It depends on the problem and MACHINE_CORES, never on the thread count, so results do not."""
     groups = math.prod(pb.batch) * pb.num_heads_k
     rows = pb.group_size * pb.seqlen_q
     per_head = [x for x in (pb.bias, pb.mask, pb.block_mask) if x is not None and x.strides[len(pb.batch)] != 0]
-    if (pb.varlen or pb.q_lengths is not None or per_head or pb.alibi_slopes is not None or pb.dropout_p > 0
+    if (pb.varlen or pb.q_lengths is not None or per_head or pb.dropout_p > 0
             or not 0 < rows <= block_m or (groups < MACHINE_CORES and pb.seqlen_q > DECODE_ROWS)):
         return 0
     heads = max(1, min(pb.num_heads_k, block_m // rows, groups // MACHINE_CORES))
@@ -384,7 +390,8 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 column = scratch.get("column", j1 - j0, 1)
                 np.matmul((ks if kv == 1 else ks[c // gr])[j0:j1], q[c : c + 1].T, out=column)
                 row = i0 + c % (i1 - i0)  # the query's position (in its head, when stacked)
-                _scores(pb, seg, column, row, j0, ranges and (ranges[0][c : c + 1], ranges[1][c : c + 1]),
+                _scores(pb, segs[c // (i1 - i0)], column, row, j0,  # the query's own head
+                        ranges and (ranges[0][c : c + 1], ranges[1][c : c + 1]),
                         None if keep is None else keep[c : c + 1], kernels)
                 kernels.forward_tile(column, m[c : c + 1], l[c : c + 1], alpha[c : c + 1],
                                      scratch.get("column vectors", 3, 1), damaged[count:], True)
