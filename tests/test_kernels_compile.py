@@ -613,8 +613,9 @@ def test_decode_kernels_compile(arch):
 
 
 @pytest.mark.compile_matrix
-@pytest.mark.parametrize("arch", [75, 80, 90])
+@pytest.mark.parametrize("arch", [80, 90])
 def test_every_decode_kernel_compiles(arch):
-    """Every decode kernel, for the three kinds of code the file holds: no cp.async and no
-    mma.sync (sm_75), both (sm_80; sm_86 and sm_89 compile the same source paths), sm_90."""
+    """Every decode kernel for sm_80 (sm_86 and sm_89 compile the same source paths) and sm_90.
+    Not sm_75: its 64 KB of shared memory a block admits no decode kernel (decode.unsupported
+    sends those calls to the general forward); the default run still compiles the file there."""
     _check_decode(arch, _decode_kernels(arch))
