@@ -567,11 +567,11 @@ def _decode_kernels(arch: int) -> list[str]:
     for 16-bit on sm_80+ at every head-dim pair, the CUDA-core kernel for float32 and float64
     (and 16-bit before sm_80) at each row count, and the merges, named as decode.plan names them."""
     from flashcupy.cuda import decode
+    from flashcupy.cuda.spec import CXX_TYPE
 
     dims = decode.HEAD_DIMS
-    names = [f"flash::decode_merge<{t}>" for t in ("__half", "__nv_bfloat16", "float", "double")]
-    for dtype in ("float16", "bfloat16", "float32", "float64"):
-        cxx = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}[dtype]
+    names = [f"flash::decode_merge<{t}>" for t in CXX_TYPE.values()]
+    for dtype, cxx in CXX_TYPE.items():
         if dtype in ("float16", "bfloat16") and arch >= 80:
             names += [f"flash::decode_split_mma<{cxx}, {hk}, {hv}, {decode.mma_shape(hk, hv)[1]}>"
                       for hk in dims for hv in dims]

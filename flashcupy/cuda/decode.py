@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..problem import Problem, accumulator_dtype
-from . import _empty, device_limits
+from . import _dtype_name, _empty, device_limits
 from . import params as P
 from .compile import get_function
 from .spec import CXX_TYPE
@@ -34,10 +34,6 @@ MIN_SPLIT_KEYS = 512
 
 #: Warps of decode_split_mma and keys a warp's tile: a block steps over WARPS * 16 keys.
 MMA_WARPS, MMA_KEYS = 4, 16
-
-
-def _dtype_name(dtype: np.dtype) -> str:
-    return np.dtype(dtype).name
 
 
 @functools.cache
