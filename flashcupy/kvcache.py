@@ -16,7 +16,7 @@ unaligned caches), and NumPy arrays, run :func:`flashcupy.flash_attention` with
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,10 +44,16 @@ def _shape(name: str, x: Any, want: tuple, rule: str) -> None:
         raise ValueError(f"{name}: expected shape {shown} ({rule}), received {tuple(x.shape)}")
 
 
-def _seqlens(cache_seqlens: Any, batch: int, capacity: int) -> np.ndarray:
-    """cache_seqlens as host int64 (B,), each in [0, capacity]; all ``capacity`` when None."""
+def _seqlens(cache_seqlens: Any, batch: int, capacity: int) -> tuple[np.ndarray | None, int | None]:
+    """(lens, start): cache_seqlens as host int64 (B,), each in [0, capacity], and the one
+    value when every sequence has it (then lens may be None); all ``capacity`` when None."""
     if cache_seqlens is None:
-        return np.full(batch, capacity, np.int64)
+        return None, capacity
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        if not 0 <= cache_seqlens <= capacity:
+            raise ValueError(f"cache_seqlens: expected values in [0, {capacity}] (the cache's capacity), "
+                             f"received {cache_seqlens}")
+        return None, int(cache_seqlens)
     lens = host_array("cache_seqlens", cache_seqlens)
     if lens.dtype.kind not in "iu":
         raise TypeError(f"cache_seqlens: expected integers, received dtype {dtype_name(lens.dtype)}")
@@ -58,7 +64,7 @@ def _seqlens(cache_seqlens: Any, batch: int, capacity: int) -> np.ndarray:
     if batch and (lens.min() < 0 or lens.max() > capacity):
         raise ValueError(f"cache_seqlens: expected values in [0, {capacity}] (the cache's capacity), "
                          f"received values in [{lens.min()}, {lens.max()}]")
-    return lens
+    return lens, int(lens[0]) if batch and (lens == lens[0]).all() else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -131,6 +137,135 @@ def flash_attention_with_kvcache(
     Returns:
         out (B, Hq, Lq, Dv), and with ``return_lse`` also lse (B, Hq, Lq).
     """
+    options = {"causal": causal, "scale": scale, "window": window, "alibi_slopes": alibi_slopes,
+               "softcap": softcap, "sinks": sinks, "return_lse": return_lse, "allow_tf32": allow_tf32,
+               "backend": backend}
+    key = _layout_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options, num_splits)
+    lay = _LAYOUTS.get(key) if key is not None else None
+    if lay is None:
+        lay = _layout(q, k_cache, v_cache, k, v, block_table, options, num_splits)
+        if key is not None:
+            if len(_LAYOUTS) >= 256:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = lay
+    xp, paged, batch, block_size = lay.xp, lay.paged, lay.batch, lay.block_size
+    lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
+    new = lay.new
+    if batch and new and (start if start is not None else int(lens.max())) + new > lay.capacity:
+        most = start if start is not None else int(lens.max())
+        raise ValueError(f"k, v: {new} new keys after cache_seqlens up to {most} exceed the cache's "
+                         f"capacity of {lay.capacity} keys a sequence; nothing was written")
+    keys = (start + new) if start is not None else (int(lens.max()) + new if batch else 0)
+    table = device_table = None
+    if paged:
+        table = host_array("block_table", block_table)
+        if xp is not np and interop.is_gpu_array(block_table):  # a CuPy view of the caller's device table
+            # (host_array above read it back for the checks: a copy, and a sync of the stream)
+            device_table = interop.to_device(block_table)
+        # The slots a sequence uses must name blocks; the others may hold anything (-1 padding).
+        total = np.full(batch, keys) if start is not None else lens + new
+        in_use = np.arange(table.shape[1]) < -(-total[:, None] // block_size)
+        named = table[in_use]
+        if named.size and (named.min() < 0 or named.max() >= lay.n_blocks):
+            raise ValueError(f"block_table: expected block numbers in [0, {lay.n_blocks - 1}] in the slots the "
+                             f"sequences use, received values in [{named.min()}, {named.max()}]")
+        table = np.where(in_use, table, 0)
+    prepared = None
+    if not lay.decode:  # the general forward over each sequence's keys
+        options["kv_lengths"] = np.full(batch, keys) if start is not None else lens + new
+        if paged:
+            make = make_host_problem if xp is np else make_device_problem
+            pb = make(q, _standin(xp, q.dtype, (batch, lay.hk, keys, lay.d)),
+                      _standin(xp, q.dtype, (batch, lay.hk, keys, lay.dv)), options)
+        else:
+            k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
+            prepared = _api._prepare(q, k_seq, v_seq, options)
+            pb = prepared[0]
+    if new:
+        _append(xp, k_cache, v_cache, k, v, lens, start, table, device_table, block_size)
+    if lay.decode:
+        pb = lay.pb
+        dec = _cuda_decode()
+        if not paged:
+            plan = dec.plan_for(q, k_cache, v_cache, pb)
+            device_rows = None
+        else:
+            device_rows = dec.device_table(device_table if device_table is not None else table)
+            plan = dec.plan_for(q, k_cache, v_cache, pb, block_size, device_rows.strides[0] // 4)
+        if start is not None:
+            counts = keys
+        else:
+            counts = xp.asarray((lens + new).astype(np.int32))
+        alibi, sinks = dec.score_arrays(pb, q.shape[:2])
+        out, lse = plan.launch(q, k_cache, v_cache, counts, keys, device_rows, alibi, sinks, int(num_splits))
+        return (out, lse) if pb.return_lse else out
+    if paged:  # the blocks in use, gathered in logical order: (B, Hk, blocks * block_size, D)
+        used = xp.asarray(table[:, : -(-keys // block_size)])
+        k_seq, v_seq = (c[used].transpose(0, 2, 1, 3, 4).reshape(batch, lay.hk, used.shape[1] * block_size,
+                                                                     c.shape[-1])[:, :, :keys]
+                        for c in (k_cache, v_cache))
+    pb, out, lse = _api._forward(q, k_seq, v_seq, options, prepared)
+    return (out, lse) if pb.return_lse else out
+
+
+class _Layout(NamedTuple):
+    """What a call's arrays' layout and options decide, checked once per layout: the array
+    module, paged or not, the dims, the cache's capacity a sequence, Lnew, and whether the
+    decode kernels take it (then ``pb``: their problem, the options on the whole cache)."""
+
+    xp: Any
+    paged: bool
+    batch: int
+    hk: int
+    d: int
+    dv: int
+    block_size: int
+    n_blocks: int
+    capacity: int
+    new: int
+    decode: bool
+    pb: Any
+
+
+#: Layouts by :func:`_layout_key`; a decode loop repeats one per layer shape.
+_LAYOUTS: dict[tuple, _Layout] = {}
+
+
+def _described(x: Any) -> tuple | None:
+    """(type, shape, strides, dtype) of a NumPy or CuPy array; None for anything else; a
+    16-byte alignment flag for CuPy's (the decode kernels' admission reads it)."""
+    if isinstance(x, np.ndarray):
+        return np.ndarray, x.shape, x.strides, x.dtype
+    if interop._is_cupy(x):
+        return type(x), x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % 16 == 0
+    return None
+
+
+def _layout_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, options, num_splits) -> tuple | None:
+    """Everything :func:`_layout` reads, or None when a call must be checked afresh (arrays
+    other than NumPy and CuPy, option arrays (ALiBi slopes, sinks), unhashable options)."""
+    if options["alibi_slopes"] is not None or options["sinks"] is not None:
+        return None
+    arrays = [_described(x) for x in (q, k_cache, v_cache)]
+    for x in (k, v, block_table):
+        arrays.append(None if x is None else _described(x) or False)
+    if not all(arrays[:3]) or False in arrays:
+        return None
+    seqlens = type(cache_seqlens) if cache_seqlens is None or isinstance(cache_seqlens, (int, np.integer)) \
+        else _described(cache_seqlens)
+    if seqlens is None:
+        return None
+    key = (*arrays, seqlens, *options.values(), num_splits, type(num_splits))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _layout(q, k_cache, v_cache, k, v, block_table, options, num_splits) -> _Layout:
+    """The checks of a call that its arrays' layout and options decide (every value check is
+    :func:`flash_attention_with_kvcache`'s, each call), and the decode kernels' problem."""
     check_array("q", q)
     xp = interop.array_module(q)
     if not hasattr(q, "flags"):
@@ -140,7 +275,7 @@ def flash_attention_with_kvcache(
     _shape("q", q, (None,) * 4, "B, Hq, Lq, D")
     batch, _, _, d = q.shape
     paged = block_table is not None
-    device_table = None
+    block_size = n_blocks = 0
     if paged:
         _shape("k_cache", k_cache, (None, None, None, d), "num_blocks, Hk, block_size, D: paged, D as q's")
         n_blocks, hk, block_size, _ = k_cache.shape
@@ -148,10 +283,8 @@ def flash_attention_with_kvcache(
             raise ValueError("k_cache: expected blocks of at least one key (num_blocks, Hk, block_size, D), "
                              f"received shape {tuple(k_cache.shape)}")
         _shape("v_cache", v_cache, (n_blocks, hk, block_size, None), "num_blocks, Hk, block_size, Dv like k_cache")
-        table = host_array("block_table", block_table)
-        if xp is not np and interop.is_gpu_array(block_table):  # a CuPy view of the caller's device table
-            # (host_array above read it back for the checks: a copy, and a sync of the stream)
-            device_table = interop.to_device(block_table)
+        table = block_table if isinstance(block_table, np.ndarray) or interop._is_cupy(block_table) \
+            else host_array("block_table", block_table)
         if table.dtype.kind not in "iu":
             raise TypeError(f"block_table: expected integers, received dtype {dtype_name(table.dtype)}")
         _shape("block_table", table, (batch, None), "B, max_blocks")
@@ -167,7 +300,6 @@ def flash_attention_with_kvcache(
         raise TypeError(f"num_splits: expected an int, received {type(num_splits).__name__}")
     if num_splits < 0:
         raise ValueError(f"num_splits: expected 0 (choose) or a positive count, received {num_splits}")
-    lens = _seqlens(cache_seqlens, batch, capacity)
     new = 0
     if (k is None) != (v is None):
         raise ValueError(f"k, v: expected both or neither, received {'k' if v is None else 'v'} alone")
@@ -180,78 +312,46 @@ def flash_attention_with_kvcache(
         for name, x in (("k", k), ("v", v)):
             if x.dtype != q.dtype:
                 raise TypeError(f"{name}: expected q's dtype {dtype_name(q.dtype)}, received {dtype_name(x.dtype)}")
-        if batch and new and int(lens.max()) + new > capacity:
-            raise ValueError(f"k, v: {new} new keys after cache_seqlens up to {int(lens.max())} exceed the cache's "
-                             f"capacity of {capacity} keys a sequence; nothing was written")
-    total = lens + new  # each sequence's keys after the append
-    keys = int(total.max()) if batch else 0
-    if paged:  # the slots a sequence uses must name blocks; the others may hold anything (-1 padding)
-        in_use = np.arange(table.shape[1]) < -(-total[:, None] // block_size)
-        named = table[in_use]
-        if named.size and (named.min() < 0 or named.max() >= n_blocks):
-            raise ValueError(f"block_table: expected block numbers in [0, {n_blocks - 1}] in the slots the sequences "
-                             f"use, received values in [{named.min()}, {named.max()}]")
-        table = np.where(in_use, table, 0)
-    options = {"causal": causal, "scale": scale, "window": window, "alibi_slopes": alibi_slopes,
-               "softcap": softcap, "sinks": sinks, "return_lse": return_lse, "allow_tf32": allow_tf32,
-               "backend": backend}
-    # Every argument checked before the cache is written. The decode kernels' problem is the
-    # options on the whole cache's shape (a signature that stays put while the sequences grow:
-    # validated once, see problem.build; the kernels take the lengths themselves). Otherwise a
-    # contiguous cache's problem is the attention's own, on views of the cache that will see the
-    # write, and a paged one's is checked on stand-ins of the gathered keys' shapes (its option
-    # arrays moved where q is, as flash_attention will) and validated again on the gathered copy.
-    runs_on = _api._backend(backend, q)
+    # The decode kernels' problem is the options on the whole cache's shape (a signature that
+    # stays put while the sequences grow; the kernels take the lengths themselves), checked
+    # before anything is written. The general path's problem depends on the lengths: it is
+    # made each call (validated on stand-ins of the keys' shapes, or on views of the cache).
+    runs_on = _api._backend(options["backend"], q)
     decode = runs_on == "cuda" and xp is not np and _cuda_decode().unsupported(q, k_cache, v_cache) is None
-    prepared = None
+    pb = None
     if decode:
         whole = (k_cache, v_cache) if not paged else tuple(
             _standin(xp, q.dtype, (batch, hk, capacity, c.shape[-1])) for c in (k_cache, v_cache))
         pb = make_device_problem(q, *whole, options)
         _cuda_decode().kernels(q, v_cache, pb)  # compiled before the cache is written
-    else:
-        options["kv_lengths"] = total
-        if paged:
-            make = make_host_problem if xp is np else make_device_problem
-            pb = make(q, _standin(xp, q.dtype, (batch, hk, keys, d)),
-                      _standin(xp, q.dtype, (batch, hk, keys, v_cache.shape[-1])), options)
-        else:
-            k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
-            prepared = _api._prepare(q, k_seq, v_seq, options)
-            pb = prepared[0]
-    start = int(lens[0]) if batch and (lens == lens[0]).all() else None  # one append position for all
-    slot = None if start is None or not paged or start // block_size != (start + new - 1) // block_size \
-        else start // block_size  # ... inside one block of each sequence
-    if new and start is not None and (not paged or slot is not None):
+    return _Layout(xp, paged, batch, hk, d, v_cache.shape[-1], block_size, n_blocks, capacity, new, decode, pb)
+
+
+def _append(xp, k_cache, v_cache, k, v, lens, start, table, device_table, block_size) -> None:
+    """k, v (B, Hk, Lnew, D / Dv) written into the caches at each sequence's cache_seqlens
+    (``start`` when every sequence has the same), through the (checked, host) block table when
+    paged."""
+    batch, new = k.shape[0], k.shape[2]
+    slot = None if start is None or table is None or start // block_size != (start + new - 1) // block_size \
+        else start // block_size  # one append position for all, inside one block of each sequence
+    if start is not None and (table is None or slot is not None):
         # One copy a cache, no index arrays to move (on the GPU: no host-to-device copy, no sync).
-        if paged:
+        if table is not None:
             blocks = device_table[:, slot] if device_table is not None else xp.asarray(table[:, slot])
             k_cache[blocks, :, start % block_size: start % block_size + new] = k
             v_cache[blocks, :, start % block_size: start % block_size + new] = v
         else:
             k_cache[:, :, start:start + new] = k
             v_cache[:, :, start:start + new] = v
-    elif new:
-        # (B, Lnew) positions; advanced indices around a slice put (B, Lnew) first: k as (B, Lnew, Hk, D)
-        pos = lens[:, None] + np.arange(new)
-        if paged:
-            rows = (xp.asarray(table[np.arange(batch)[:, None], pos // block_size]), xp.asarray(pos % block_size))
-        else:
-            rows = (xp.asarray(np.arange(batch)[:, None]), xp.asarray(pos))
-        k_cache[rows[0], :, rows[1]] = k.transpose(0, 2, 1, 3)
-        v_cache[rows[0], :, rows[1]] = v.transpose(0, 2, 1, 3)
-    if decode:
-        if paged and device_table is not None:  # the caller's own table: its slots in use were checked
-            table = device_table
-        out, lse = _cuda_decode().decode(q, k_cache, v_cache, total, table if paged else None, pb, int(num_splits))
-        return (out, lse) if pb.return_lse else out
-    if paged:  # the blocks in use, gathered in logical order: (B, Hk, blocks * block_size, D)
-        used = xp.asarray(table[:, : -(-keys // block_size)])
-        k_seq, v_seq = (c[used].transpose(0, 2, 1, 3, 4).reshape(batch, hk, used.shape[1] * block_size,
-                                                                     c.shape[-1])[:, :, :keys]
-                        for c in (k_cache, v_cache))
-    pb, out, lse = _api._forward(q, k_seq, v_seq, options, prepared)
-    return (out, lse) if pb.return_lse else out
+        return
+    # (B, Lnew) positions; advanced indices around a slice put (B, Lnew) first: k as (B, Lnew, Hk, D)
+    pos = (np.full(batch, start) if start is not None else lens)[:, None] + np.arange(new)
+    if table is not None:
+        rows = (xp.asarray(table[np.arange(batch)[:, None], pos // block_size]), xp.asarray(pos % block_size))
+    else:
+        rows = (xp.asarray(np.arange(batch)[:, None]), xp.asarray(pos))
+    k_cache[rows[0], :, rows[1]] = k.transpose(0, 2, 1, 3)
+    v_cache[rows[0], :, rows[1]] = v.transpose(0, 2, 1, 3)
 
 
 def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:

@@ -250,7 +250,7 @@ def test_decode_kernels_match_the_reference(call, num_splits):
     dev = [cupy.asarray(x) for x in (q, *caches, k, v)]
     supported = (q.shape[1] // k.shape[1]) * q.shape[2] <= cuda_decode.MAX_ROWS and all(
         (n * q.dtype.itemsize) % 16 == 0 for n in (q.shape[-1], v.shape[-1]))  # else the general forward
-    with mock.patch.object(cuda_decode, "decode", wraps=cuda_decode.decode) as kernels:
+    with mock.patch.object(cuda_decode, "plan_for", wraps=cuda_decode.plan_for) as kernels:
         out, lse = fc.flash_attention_with_kvcache(
             dev[0], dev[1], dev[2], dev[3] if new else None, dev[4] if new else None, cache_seqlens=lens,
             block_table=table, return_lse=True, num_splits=num_splits, backend="cuda", **options)
@@ -334,6 +334,29 @@ def test_unused_block_table_slots_may_hold_minus_one():
         fc.flash_attention_with_kvcache(q, kp, vp, cache_seqlens=[9, 16], block_table=padded, backend="cpu")
 
 
+def test_a_repeated_layout_still_checks_each_calls_values():
+    """A call's layout is checked once, its values every time: after good calls of one layout,
+    an overflowing append, lengths past the capacity and a table naming no block are refused
+    with the cache untouched."""
+    rs = np.random.default_rng(8)
+    q, kc, vc, k, v = _cache(rs, lmax=16)
+    kp, vp, table = _paged(kc, vc, 4, rs)
+    for lens in (3, 5):
+        fc.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, backend="cpu")
+        fc.flash_attention_with_kvcache(q, kp, vp, k, v, cache_seqlens=lens, block_table=table, backend="cpu")
+    before = [x.copy() for x in (kc, vc, kp, vp)]
+    with pytest.raises(ValueError, match="exceed the cache's capacity of 16"):
+        fc.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=16 - k.shape[2] + 1, backend="cpu")
+    with pytest.raises(ValueError, match=r"cache_seqlens: expected values in \[0, 16\]"):
+        fc.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=17, backend="cpu")
+    bad = table.copy()
+    bad[1, 0] = kp.shape[0]
+    with pytest.raises(ValueError, match="block_table: expected block numbers"):
+        fc.flash_attention_with_kvcache(q, kp, vp, k, v, cache_seqlens=5, block_table=bad, backend="cpu")
+    for got, want in zip((kc, vc, kp, vp), before):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_decode_split_count_fills_waves_of_resident_blocks():
     """choose_splits: a grid short of one wave splits to fill it; one a little over a wave
     splits rather than run a second, mostly idle wave; short caches keep MIN_SPLIT_KEYS."""
@@ -347,16 +370,17 @@ def test_decode_split_count_fills_waves_of_resident_blocks():
 
 
 def test_decode_parameter_template_packs_like_pack():
-    """The cached parameter block with its pointers filled is the block pack() builds."""
+    """The cached parameter block with its per-call fields filled is the block pack() builds."""
     from flashcupy.cuda import params as P
-    from flashcupy.cuda.decode import _POINTERS, _template
+    from flashcupy.cuda.decode import _FILLED, _template
 
-    fields = dict(scale=0.125, softcap=30.0, batch=2, hq=32, hk=8, lq=1, d=128, dv=64, causal=1, page=16, splits=3,
-                  split_keys=64, keys_all=77, window_left=-1, window_right=5, q_sb=1, q_sh=2, q_sr=3, k_sb=4,
-                  k_sh=5, k_sr=6, v_sb=7, v_sh=8, v_sr=9, bt_sb=40)
-    pointers = {name: 4096 + 16 * i for i, name in enumerate(_POINTERS)}
-    filled = _template(tuple(fields.items())).fill(*pointers.values())
-    assert filled.tobytes() == P.pack(P.DECODE_PARAMS_DTYPE, **fields, **pointers).tobytes()
+    fixed = dict(scale=0.125, softcap=30.0, batch=2, hq=32, hk=8, lq=1, d=128, dv=64, causal=1, page=16,
+                 window_left=-1, window_right=5, q_sb=1, q_sh=2, q_sr=3, k_sb=4, k_sh=5, k_sr=6, v_sb=7, v_sh=8,
+                 v_sr=9, bt_sb=40)
+    filled = {name: 4096 + 16 * i for i, name in enumerate(_FILLED)}
+    filled.update(splits=3, split_keys=64, keys_all=77)
+    block = _template(tuple(fixed.items())).fill_bytes(*filled.values())
+    assert bytes(block) == P.pack(P.DECODE_PARAMS_DTYPE, **fixed, **filled).tobytes()
 
 
 def test_decode_kernels_say_which_calls_they_take(monkeypatch):

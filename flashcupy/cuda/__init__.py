@@ -19,6 +19,7 @@ from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
 from .compile import get_function
+from .compile import launch as launch_block
 from .spec import (
     ROW_PASS_ROWS, ROW_PASS_THREADS, BackwardSpec, KernelSpec, ScoreSet, backward_key_block_major, select_backward,
     select_forward,
@@ -201,8 +202,8 @@ def backward_launches(pb: Problem, spec: BackwardSpec) -> list[Launch]:
 
 
 def _run(launch: Launch, device_id: int, params) -> None:
-    get_function(launch.family, launch.name, device_id, launch.smem_bytes)(
-        launch.grid, (launch.threads,), (params,), shared_mem=launch.smem_bytes)
+    launch_block(get_function(launch.family, launch.name, device_id, launch.smem_bytes), launch.grid,
+                 launch.threads, params.tobytes(), launch.smem_bytes)
 
 
 def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0) -> tuple[np.void, list]:

@@ -10,6 +10,7 @@ this path takes; :mod:`flashcupy.kvcache` sends the others to the general forwar
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from ..problem import Problem, accumulator_dtype
 from . import _dtype_name, _empty, device_limits
 from . import params as P
-from .compile import get_function
+from .compile import get_function, launch
 from .spec import CXX_TYPE
 
 #: Head dims the kernel is compiled for (a call's D and Dv each take the smallest that fits).
@@ -150,86 +151,127 @@ def kernels(q: Any, v_cache: Any, pb: Problem) -> tuple[Any, Any, int, int]:
     return split_fn, merge_fn, tile, smem
 
 
-#: DecodeParams' pointer fields, in the order decode fills them.
-_POINTERS = ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o", "lse")
+#: DecodeParams' fields each launch fills (pointers, then the split of the keys), in DecodePlan's order.
+_FILLED = ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o", "lse",
+           "splits", "split_keys", "keys_all")
 
 
 @functools.lru_cache(maxsize=256)
 def _template(fields: tuple[tuple[str, Any], ...]) -> P.Template:
-    """The parameter block of these scalar fields, packed once; each launch fills its pointers."""
-    return P.Template(P.pack(P.DECODE_PARAMS_DTYPE, **dict(fields)), _POINTERS)
+    """The parameter block of these fixed fields, packed once; each launch fills the rest."""
+    return P.Template(P.pack(P.DECODE_PARAMS_DTYPE, **dict(fields)), _FILLED)
 
 
-def decode(q: Any, k_cache: Any, v_cache: Any, keys: np.ndarray, table: Any, pb: Problem,
-           num_splits: int) -> tuple[Any, Any]:
-    """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of q against the caches, CuPy arrays.
+class DecodePlan:
+    """What every decode call of one layout shares: its kernels, their shared memory and
+    resident blocks, the output shapes and the parameter block's fixed fields (shapes,
+    strides, scale and score options). Made once per layout by :func:`plan_for`; each call
+    then costs its allocations, one block fill and two launches (:meth:`launch`)."""
 
-    keys: host (B,) ints, the keys each sequence attends; table: (B, max_blocks) ints, host
-    or device, in range in the slots the sequences use (paged), or None (contiguous);
-    num_splits: 0 to choose, else at most one split per step of the key loop (64 keys on
-    tensor cores) is kept. Options (scale, causal, window, ALiBi, softcap, sinks) come from
-    ``pb``.
-    """
+    def __init__(self, q: Any, k_cache: Any, v_cache: Any, pb: Problem, page: int, table_stride: int) -> None:
+        batch, hq, lq, d = q.shape
+        self.hk, self.dv = k_cache.shape[1], v_cache.shape[-1]
+        self.device_id = q.device.id
+        self.dtype, self.acc = pb.dtype, accumulator_dtype(pb.dtype)
+        self.out_shape, self.lse_shape = (batch, hq, lq, self.dv), (batch, hq, lq)
+        self.rows = batch * hq * lq
+        self.blocks = batch * self.hk
+        self.split_fn, self.merge_fn, self.tile, self.smem = kernels(q, v_cache, pb)
+        self.slots = _resident_blocks(self.device_id, self.smem, int(getattr(self.split_fn, "num_regs", 0)))
+        #: q is copied when its last axis is strided (the kernels read 16-byte chunks).
+        self.copy_q = q.strides[-1] != q.itemsize
+        q_strides = tuple(s // q.itemsize for s in q.strides[:3]) if not self.copy_q else (hq * lq * d, lq * d, d)
+        fields = dict(scale=pb.scale, softcap=pb.softcap or 0.0, batch=batch, hq=hq, hk=self.hk, lq=lq, d=d,
+                      dv=self.dv, causal=P.CAUSAL_CODE[pb.causal], page=page, bt_sb=table_stride)
+        for prefix, strides in (("q", q_strides), ("k", k_cache.strides), ("v", v_cache.strides)):
+            step = 1 if prefix == "q" else k_cache.itemsize
+            for axis, stride in zip(("sb", "sh", "sr"), strides[:3]):
+                fields[f"{prefix}_{axis}"] = stride // step
+        left, right = pb.window if pb.window is not None else (None, None)
+        fields["window_left"] = -1 if left is None else min(left, 2**31 - 1)
+        fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
+        self.template = _template(tuple(fields.items()))
+
+    def splits(self, max_keys: int, num_splits: int) -> tuple[int, int]:
+        """(splits, keys a split) for sequences of at most ``max_keys`` keys: ``num_splits``
+        (0: chosen by :func:`choose_splits`) cut to one split per step of the key loop."""
+        if num_splits <= 0:
+            num_splits = choose_splits(self.blocks, max_keys, self.slots)
+        tiles = max(1, -(-max_keys // self.tile))
+        split_keys = -(-tiles // min(num_splits, tiles, 65535)) * self.tile  # grid y <= 65535
+        return max(1, -(-max_keys // split_keys)), split_keys
+
+    def launch(self, q: Any, k_cache: Any, v_cache: Any, keys: Any, max_keys: int, table: Any, alibi: Any,
+               sinks: Any, num_splits: int) -> tuple[Any, Any]:
+        """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of one call. keys: an int (every sequence's
+        count) or a device (B,) int32 array, at most ``max_keys``; table: the device int32
+        block table this plan's stride describes, or None; alibi, sinks: device (B, Hq)
+        float64 arrays or None."""
+        import cupy as cp
+
+        out = _empty(self.out_shape, self.dtype, cp)
+        lse = _empty(self.lse_shape, self.acc, cp)
+        if self.rows == 0:
+            return out, lse
+        splits, split_keys = self.splits(max_keys, num_splits)
+        if self.copy_q:
+            q = cp.ascontiguousarray(q)
+        # The splits' partial outputs (splits, rows, Dv) and log-sum-exps (splits, rows) in one allocation.
+        item = self.acc.itemsize
+        part = cp.cuda.alloc(splits * self.rows * (self.dv + 1) * item)
+        o_part = part.ptr
+        lse_part = o_part + splits * self.rows * self.dv * item
+        per_sequence = not isinstance(keys, int)
+        block = self.template.fill_bytes(
+            q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, keys.data.ptr if per_sequence else 0,
+            0 if table is None else table.data.ptr, 0 if alibi is None else alibi.data.ptr,
+            0 if sinks is None else sinks.data.ptr, o_part, lse_part, out.data.ptr, lse.data.ptr,
+            splits, split_keys, 0 if per_sequence else keys)
+        if self.blocks:
+            launch(self.split_fn, (self.blocks, splits), THREADS, block, self.smem)
+        launch(self.merge_fn, (self.rows,), THREADS, block)
+        del part  # CuPy's pool hands freed memory only to later work on the stream
+        return out, lse
+
+
+def plan_for(q: Any, k_cache: Any, v_cache: Any, pb: Problem, page: int = 0, table_stride: int = 0) -> DecodePlan:
+    """The :class:`DecodePlan` of a call's layout (made on the first call of it): q, the caches,
+    the problem's scalar options; page: keys a block of a paged cache (0: contiguous);
+    table_stride: the device block table's row stride in elements."""
+    key = (q.device.id, pb.dtype, q.shape, q.strides, k_cache.shape, k_cache.strides, v_cache.shape,
+           v_cache.strides, pb.scale, math.copysign(1.0, pb.scale), pb.softcap, pb.causal, pb.window, page,
+           table_stride)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 256:  # a few per model (a layer shape and batch size each): bounded all the same
+            _PLANS.clear()
+        plan = _PLANS[key] = DecodePlan(q, k_cache, v_cache, pb, page, table_stride)
+    return plan
+
+
+#: Plans by layout key.
+_PLANS: dict[tuple, DecodePlan] = {}
+
+
+def device_table(table: Any) -> Any:
+    """A block table as the kernels read it: a device int32 array with a contiguous last axis
+    (the caller's own where it is one; else a copy)."""
     import cupy as cp
 
-    batch, hq, lq, d = q.shape
-    hk, dv = k_cache.shape[1], v_cache.shape[-1]
-    acc = accumulator_dtype(pb.dtype)
-    out = _empty((batch, hq, lq, dv), pb.dtype, cp)
-    lse = _empty((batch, hq, lq), acc, cp)
-    if out.size == 0 and lse.size == 0:
-        return out, lse
-    split_fn, merge_fn, tile, smem = kernels(q, v_cache, pb)
-    device_id = q.device.id
-    max_keys = int(keys.max()) if batch else 0
-    if num_splits <= 0:
-        slots = _resident_blocks(device_id, smem, int(getattr(split_fn, "num_regs", 0)))
-        num_splits = choose_splits(batch * hk, max_keys, slots)
-    tiles = max(1, -(-max_keys // tile))
-    num_splits = min(num_splits, tiles, 65535)  # grid y
-    split_keys = -(-tiles // num_splits) * tile
-    num_splits = max(1, -(-max_keys // split_keys))
+    if isinstance(table, cp.ndarray) and table.dtype == np.int32 and table.strides[-1] == 4 \
+            and table.strides[0] % 4 == 0:
+        return table
+    return cp.ascontiguousarray(cp.asarray(table).astype(np.int32, copy=False))
 
-    if q.strides[-1] != q.itemsize:
-        q = cp.ascontiguousarray(q)
-    o_part = _empty((num_splits, batch * hq * lq, dv), acc, cp)
-    lse_part = _empty((num_splits, batch * hq * lq), acc, cp)
-    keep = []
-    pointers = dict.fromkeys(_POINTERS, 0)
-    pointers.update(q=q.data.ptr, k=k_cache.data.ptr, v=v_cache.data.ptr, o_part=o_part.data.ptr,
-                    lse_part=lse_part.data.ptr, o=out.data.ptr, lse=lse.data.ptr)
-    fields = dict(scale=pb.scale, softcap=pb.softcap or 0.0, batch=batch, hq=hq, hk=hk, lq=lq, d=d, dv=dv,
-                  causal=P.CAUSAL_CODE[pb.causal], page=0, splits=num_splits, split_keys=split_keys)
-    for prefix, x in (("q", q), ("k", k_cache), ("v", v_cache)):
-        for axis, stride in zip(("sb", "sh", "sr"), x.strides[:3]):
-            fields[f"{prefix}_{axis}"] = stride // x.itemsize
-    if batch and (keys == max_keys).all():  # one length: a scalar, no copy to the device
-        fields["keys_all"] = max_keys
-    else:
-        keys_dev = cp.asarray(keys.astype(np.int32))
-        keep.append(keys_dev)
-        pointers["keys"] = keys_dev.data.ptr
-    left, right = pb.window if pb.window is not None else (None, None)
-    fields["window_left"] = -1 if left is None else min(left, 2**31 - 1)
-    fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
-    if table is not None:  # the caller's device table as it is where its layout allows
-        if not (isinstance(table, cp.ndarray) and table.dtype == np.int32 and table.strides[-1] == 4
-                and table.strides[0] % 4 == 0):
-            table = cp.ascontiguousarray(cp.asarray(table).astype(np.int32, copy=False))
-        keep.append(table)
-        pointers["block_table"] = table.data.ptr
-        fields.update(bt_sb=table.strides[0] // 4, page=k_cache.shape[2])
+
+def score_arrays(pb: Problem, heads: tuple[int, int]) -> tuple[Any, Any]:
+    """(ALiBi slopes, sinks) of a problem as the kernels read them: device (B, Hq) float64
+    arrays for heads = (B, Hq), or None for an option not in use."""
+    import cupy as cp
+
+    alibi = sinks = None
     if pb.alibi_slopes is not None:
-        slopes = cp.asarray(np.ascontiguousarray(np.broadcast_to(pb.alibi_slopes, (batch, hq)), dtype=np.float64))
-        keep.append(slopes)
-        pointers["alibi"] = slopes.data.ptr
+        alibi = cp.asarray(np.ascontiguousarray(np.broadcast_to(pb.alibi_slopes, heads), dtype=np.float64))
     if pb.sinks is not None:
-        sinks = cp.ascontiguousarray(cp.broadcast_to(cp.asarray(pb.sinks, dtype=np.float64), (batch, hq)))
-        keep.append(sinks)
-        pointers["sinks"] = sinks.data.ptr
-    block = _template(tuple(fields.items())).fill(*pointers.values())
-    if batch * hk:
-        split_fn((batch * hk, num_splits), (THREADS,), (block,), shared_mem=smem)
-    merge_fn((batch * hq * lq,), (THREADS,), (block,))
-    del keep  # CuPy's pool hands freed memory only to later work on the stream
-    return out, lse
+        sinks = cp.ascontiguousarray(cp.broadcast_to(cp.asarray(pb.sinks, dtype=np.float64), heads))
+    return alibi, sinks

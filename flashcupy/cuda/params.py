@@ -106,6 +106,13 @@ def pack(dtype: np.dtype = PARAMS_DTYPE, **fields: Any) -> np.void:
     return np.frombuffer(bytearray(packer.pack(*values)), dtype=dtype)[0]
 
 
+def _field_type(dtype: np.dtype, name: str) -> np.dtype:
+    """The dtype of a field; ``"f.q"`` names field ``q`` of the nested block ``f``."""
+    for part in name.split("."):
+        dtype = dtype.fields[part][0]
+    return dtype
+
+
 def _field_offset(dtype: np.dtype, name: str) -> int:
     """Byte offset of a field in a block; ``"f.q"`` names field ``q`` of the nested block ``f``."""
     offset = 0
@@ -116,7 +123,7 @@ def _field_offset(dtype: np.dtype, name: str) -> int:
 
 
 class Template:
-    """A packed block whose pointer fields are rewritten for each launch, the rest kept.
+    """A packed block whose named fields are rewritten for each launch, the rest kept.
 
     For calls whose every other field is the same (same shapes, strides and options),
     ``fill`` costs a copy of the bytes and one ``struct.pack_into`` per run of adjacent
@@ -124,24 +131,30 @@ class Template:
     """
 
     def __init__(self, record: np.void, names: Sequence[str]) -> None:
-        """``record``: a block from :func:`pack`; ``names``: the uint64 (pointer) fields that
-        ``fill`` takes, in its argument order (``"f.q"`` for a field of the nested block)."""
+        """``record``: a block from :func:`pack`; ``names``: the scalar fields (pointers,
+        counts) that ``fill`` takes, in its argument order (``"f.q"`` for a field of the
+        nested block)."""
         self._bytes = record.tobytes()
         #: (byte offset, struct, argument positions) of each run of adjacent fields.
         self._runs: list[tuple[int, struct.Struct, list[int]]] = []
-        fields = sorted((_field_offset(record.dtype, name), i) for i, name in enumerate(names))
+        fields = sorted((_field_offset(record.dtype, name), _field_type(record.dtype, name), i)
+                        for i, name in enumerate(names))
         start = 0
-        for n, (offset, _) in enumerate(fields):
-            if n + 1 == len(fields) or fields[n + 1][0] != offset + 8:
+        for n, (offset, field, _) in enumerate(fields):
+            if n + 1 == len(fields) or fields[n + 1][0] != offset + field.itemsize:
                 run = fields[start:n + 1]
-                self._runs.append((run[0][0], struct.Struct(f"={len(run)}Q"), [i for _, i in run]))
+                fmt = "=" + "".join(_STRUCT_CODES[f.str[1:]] for _, f, _ in run)
+                self._runs.append((run[0][0], struct.Struct(fmt), [i for _, _, i in run]))
                 start = n + 1
 
-    def fill(self, *pointers: int) -> np.void:
-        """The block's bytes with the named fields set to ``pointers`` (in the constructor's
-        order), as an unstructured ``np.void``: a kernel argument that CuPy copies whole,
-        where it copies a structured scalar field by field (about 1 us a launch)."""
+    def fill_bytes(self, *values: Any) -> bytearray:
+        """The block's bytes with the named fields set to ``values`` (in the constructor's order)."""
         buf = bytearray(self._bytes)
         for offset, packer, order in self._runs:
-            packer.pack_into(buf, offset, *[pointers[i] for i in order])
-        return np.void(bytes(buf))
+            packer.pack_into(buf, offset, *[values[i] for i in order])
+        return buf
+
+    def fill(self, *values: Any) -> np.void:
+        """:meth:`fill_bytes` as an unstructured ``np.void``: a kernel argument that CuPy copies
+        whole, where it copies a structured scalar field by field (about 1 us a launch)."""
+        return np.void(bytes(self.fill_bytes(*values)))
