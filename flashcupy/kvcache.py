@@ -11,6 +11,11 @@ head read each key once, paged caches read through the block table in place); ca
 not take (more than 16 query rows a KV head, head dims past 256 or not whole 16-byte chunks,
 unaligned caches), and NumPy arrays, run :func:`flashcupy.flash_attention` with
 ``kv_lengths``, a paged cache gathered into a contiguous copy of the blocks in use first.
+
+A call's layout (array kinds, shapes, strides, dtypes, options) is checked once and kept; each
+call checks its values. On the decode kernels a CuPy ``cache_seqlens`` or ``block_table`` is
+left on the device for the kernels to check (a bad entry gives NaN, never a read or write
+outside the caches); everywhere else lengths and tables are checked on the host first.
 """
 
 from __future__ import annotations
@@ -128,6 +133,13 @@ def flash_attention_with_kvcache(
             backend: as :func:`flashcupy.flash_attention`, over each sequence's keys: causal
             is bottom-right, query row i sees keys <= i + keys - Lq, with keys =
             cache_seqlens[b] + Lnew.
+        Lengths and tables on the host (ints, NumPy arrays) are checked before anything is
+            written (a ValueError names the bad value). On the decode kernels, a CuPy
+            cache_seqlens or block_table is not read back (no host-device sync): the kernels
+            check it, and a sequence whose length is
+            negative or past the capacity, or whose keys fall in a slot naming no block, is
+            neither written nor read and gets NaN outputs (and lse); the split is then planned
+            for the whole capacity.
         num_splits: blocks each sequence's keys are split over on the GPU, their partial
             results merged: 0 (default) chooses from the batch, KV heads, keys and the GPU's
             multiprocessors; a number is honoured up to one split per tile of keys. The
@@ -148,57 +160,30 @@ def flash_attention_with_kvcache(
             if len(_LAYOUTS) >= 256:
                 _LAYOUTS.clear()
             _LAYOUTS[key] = lay
-    xp, paged, batch, block_size = lay.xp, lay.paged, lay.batch, lay.block_size
+    if lay.decode:
+        return _decode(lay, q, k_cache, v_cache, k, v, cache_seqlens, block_table, int(num_splits))
+    # The general forward over each sequence's keys (NumPy, or calls the decode kernels do not take).
+    xp, paged, batch, block_size, new = lay.xp, lay.paged, lay.batch, lay.block_size, lay.new
     lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
-    new = lay.new
-    if batch and new and (start if start is not None else int(lens.max())) + new > lay.capacity:
-        most = start if start is not None else int(lens.max())
-        raise ValueError(f"k, v: {new} new keys after cache_seqlens up to {most} exceed the cache's "
-                         f"capacity of {lay.capacity} keys a sequence; nothing was written")
-    keys = (start + new) if start is not None else (int(lens.max()) + new if batch else 0)
+    keys = _room(lay, lens, start)
+    total = np.full(batch, keys) if start is not None else lens + new
     table = device_table = None
     if paged:
-        table = host_array("block_table", block_table)
+        table = _checked_table(block_table, total, lay)
         if xp is not np and interop.is_gpu_array(block_table):  # a CuPy view of the caller's device table
-            # (host_array above read it back for the checks: a copy, and a sync of the stream)
             device_table = interop.to_device(block_table)
-        # The slots a sequence uses must name blocks; the others may hold anything (-1 padding).
-        total = np.full(batch, keys) if start is not None else lens + new
-        in_use = np.arange(table.shape[1]) < -(-total[:, None] // block_size)
-        named = table[in_use]
-        if named.size and (named.min() < 0 or named.max() >= lay.n_blocks):
-            raise ValueError(f"block_table: expected block numbers in [0, {lay.n_blocks - 1}] in the slots the "
-                             f"sequences use, received values in [{named.min()}, {named.max()}]")
-        table = np.where(in_use, table, 0)
+    options["kv_lengths"] = total
     prepared = None
-    if not lay.decode:  # the general forward over each sequence's keys
-        options["kv_lengths"] = np.full(batch, keys) if start is not None else lens + new
-        if paged:
-            make = make_host_problem if xp is np else make_device_problem
-            pb = make(q, _standin(xp, q.dtype, (batch, lay.hk, keys, lay.d)),
-                      _standin(xp, q.dtype, (batch, lay.hk, keys, lay.dv)), options)
-        else:
-            k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
-            prepared = _api._prepare(q, k_seq, v_seq, options)
-            pb = prepared[0]
+    if paged:
+        make = make_host_problem if xp is np else make_device_problem
+        pb = make(q, _standin(xp, q.dtype, (batch, lay.hk, keys, lay.d)),
+                  _standin(xp, q.dtype, (batch, lay.hk, keys, lay.dv)), options)
+    else:
+        k_seq, v_seq = k_cache[:, :, :keys], v_cache[:, :, :keys]
+        prepared = _api._prepare(q, k_seq, v_seq, options)
+        pb = prepared[0]
     if new:
         _append(xp, k_cache, v_cache, k, v, lens, start, table, device_table, block_size)
-    if lay.decode:
-        pb = lay.pb
-        dec = _cuda_decode()
-        if not paged:
-            plan = dec.plan_for(q, k_cache, v_cache, pb)
-            device_rows = None
-        else:
-            device_rows = dec.device_table(device_table if device_table is not None else table)
-            plan = dec.plan_for(q, k_cache, v_cache, pb, block_size, device_rows.strides[0] // 4)
-        if start is not None:
-            counts = keys
-        else:
-            counts = xp.asarray((lens + new).astype(np.int32))
-        alibi, sinks = dec.score_arrays(pb, q.shape[:2])
-        out, lse = plan.launch(q, k_cache, v_cache, counts, keys, device_rows, alibi, sinks, int(num_splits))
-        return (out, lse) if pb.return_lse else out
     if paged:  # the blocks in use, gathered in logical order: (B, Hk, blocks * block_size, D)
         used = xp.asarray(table[:, : -(-keys // block_size)])
         k_seq, v_seq = (c[used].transpose(0, 2, 1, 3, 4).reshape(batch, lay.hk, used.shape[1] * block_size,
@@ -206,6 +191,64 @@ def flash_attention_with_kvcache(
                         for c in (k_cache, v_cache))
     pb, out, lse = _api._forward(q, k_seq, v_seq, options, prepared)
     return (out, lse) if pb.return_lse else out
+
+
+def _room(lay: _Layout, lens: np.ndarray | None, start: int | None) -> int:
+    """The most keys a sequence attends after the append; a ValueError (nothing written yet)
+    when the append would run past the cache's capacity."""
+    most = start if start is not None else int(lens.max()) if lay.batch else 0
+    if lay.batch and lay.new and most + lay.new > lay.capacity:
+        raise ValueError(f"k, v: {lay.new} new keys after cache_seqlens up to {most} exceed the cache's "
+                         f"capacity of {lay.capacity} keys a sequence; nothing was written")
+    return most + lay.new
+
+
+def _checked_table(block_table: Any, total: np.ndarray, lay: _Layout) -> np.ndarray:
+    """The block table on the host (a device one read back: a sync), with a ValueError unless
+    the slots each sequence uses for its ``total`` keys name blocks; the other slots (which
+    may hold anything, -1 padding say) read 0."""
+    table = host_array("block_table", block_table)
+    in_use = np.arange(table.shape[1]) < -(-total[:, None] // lay.block_size)
+    named = table[in_use]
+    if named.size and (named.min() < 0 or named.max() >= lay.n_blocks):
+        raise ValueError(f"block_table: expected block numbers in [0, {lay.n_blocks - 1}] in the slots the "
+                         f"sequences use, received values in [{named.min()}, {named.max()}]")
+    return np.where(in_use, table, 0)
+
+
+def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits: int):
+    """A call on the decode kernels, which write the append and attend. Host values (ints,
+    NumPy lengths and tables) are checked here first; device ones (CuPy cache_seqlens and
+    block_table) go to the kernels unread: no sync, and a sequence with a bad length or table
+    entry gets NaN (the kernels read and write nothing outside the caches for it)."""
+    dec = _cuda_decode()
+    xp, batch = lay.xp, lay.batch
+    if interop._is_cupy(cache_seqlens):
+        if cache_seqlens.dtype.kind not in "iu":
+            raise TypeError(f"cache_seqlens: expected integers, received dtype {dtype_name(cache_seqlens.dtype)}")
+        if cache_seqlens.ndim > 1 or cache_seqlens.size not in (1, batch):
+            raise ValueError(f"cache_seqlens: expected an int or a shape ({batch},) (one per sequence), "
+                             f"received {tuple(cache_seqlens.shape)}")
+        lengths = xp.ascontiguousarray(xp.broadcast_to(cache_seqlens.reshape(-1), (batch,)), dtype=np.int32)
+        most, total = lay.capacity, None
+    else:
+        lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
+        most = _room(lay, lens, start)
+        lengths = most if start is not None else xp.asarray(lens.astype(np.int32))
+        total = np.full(batch, most) if start is not None else lens + lay.new
+    table = None
+    if lay.paged:
+        if interop._is_cupy(block_table):
+            table = dec.device_table(block_table)
+        elif total is None:  # device lengths: the slots in use are known on the device only, where they are checked
+            table = xp.asarray(np.ascontiguousarray(host_array("block_table", block_table), dtype=np.int32))
+        else:
+            table = xp.asarray(_checked_table(block_table, total, lay).astype(np.int32))
+    plan = dec.plan_for(q, k_cache, v_cache, lay.pb, k, v, lay.block_size, 0 if table is None else table.strides[0] // 4,
+                        lay.capacity, lay.n_blocks)
+    alibi, sinks = dec.score_arrays(lay.pb, q.shape[:2])
+    out, lse = plan.launch(q, k_cache, v_cache, k, v, lengths, most, table, alibi, sinks, num_splits)
+    return (out, lse) if lay.pb.return_lse else out
 
 
 class _Layout(NamedTuple):
@@ -317,7 +360,8 @@ def _layout(q, k_cache, v_cache, k, v, block_table, options, num_splits) -> _Lay
     # before anything is written. The general path's problem depends on the lengths: it is
     # made each call (validated on stand-ins of the keys' shapes, or on views of the cache).
     runs_on = _api._backend(options["backend"], q)
-    decode = runs_on == "cuda" and xp is not np and _cuda_decode().unsupported(q, k_cache, v_cache) is None
+    decode = runs_on == "cuda" and xp is not np and capacity < 2**31 and n_blocks < 2**31 \
+        and _cuda_decode().unsupported(q, k_cache, v_cache) is None  # the kernels count keys in int32
     pb = None
     if decode:
         whole = (k_cache, v_cache) if not paged else tuple(

@@ -15,6 +15,7 @@
 //     products; tensor-core TF32 would not).
 // decode_merge<T>: one block per query row: lse = log-sum-exp over the splits' and the sink's,
 //   O = sum over splits of O_s 2^(lse_s - lse).
+// decode_append<T>: the call's new keys and values written into the caches first.
 //
 // Scores are kept in the log2 domain (scale * log2(e) folded in once) so the softmax uses exp2.
 #include "copy.cuh"
@@ -80,6 +81,21 @@ __device__ __forceinline__ const T* cache_row(const DecodeParams& p, const T* ba
     return base + block * sb + hk * sh + (key % p.page) * sr;
 }
 
+// Whether every table entry that sequence b's keys [lo, hi) lie in names a block of the paged
+// cache (always, contiguous), for the whole thread block: a device table is not read back by
+// the host, so the split kernels check the entries they will use once, before their key loop,
+// and read nothing for a sequence with a bad one.
+__device__ __forceinline__ bool blocks_named(const DecodeParams& p, int b, int lo, int hi) {
+    bool ok = true;
+    if (p.block_table != nullptr && hi > lo) {
+        for (int slot = lo / p.page + threadIdx.x; slot <= (hi - 1) / p.page; slot += blockDim.x) {
+            const i64 block = p.block_table[b * p.bt_sb + slot];
+            ok &= block >= 0 && block < p.num_blocks;
+        }
+    }
+    return __syncthreads_and(ok);
+}
+
 // Where row r (< rows; r = g Lq + i) of block (b, hk) may look: keys [lo, hi), its diagonal
 // key pos = i + keys - Lq (bottom-right causal and windows are measured from it) and its
 // ALiBi slope * log2(e). Rows past `rows` see no key.
@@ -136,22 +152,28 @@ __device__ __forceinline__ Acc decode_score(Acc x, bool softcap, Acc cap_log2, A
 
 // A block's coordinates and the score's scalars, as both split kernels read them: sequence b,
 // KV head hk and split; its rows (group * Lq of them) start at out row row0 of total_rows;
-// `keys` the sequence attends. S = scale q.k, or softcap tanh(scale q.k / softcap), in log2
-// units: q_mul = scale * log2(e) (or scale / softcap, the tanh's argument), cap_log2 the
-// softcap * log2(e) the tanh is multiplied by.
+// `keys` the sequence attends (none where its length is bad: below 0 or past the capacity).
+// S = scale q.k, or softcap tanh(scale q.k / softcap), in log2 units: q_mul = scale * log2(e)
+// (or scale / softcap, the tanh's argument), cap_log2 the softcap * log2(e) the tanh is
+// multiplied by.
 template <typename Acc>
 struct DecodeBlock {
     int b, hk, split, group, rows, keys;
     i64 total_rows, row0;
-    bool softcap;
+    bool bad, softcap;
     Acc q_mul, cap_log2;
 
     __device__ __forceinline__ explicit DecodeBlock(const DecodeParams& p)
         : b(blockIdx.x / p.hk), hk(blockIdx.x % p.hk), split(blockIdx.y), group(p.hq / p.hk),
-          rows(group * p.lq), keys(p.keys != nullptr ? p.keys[b] : p.keys_all),
-          total_rows(i64(p.batch) * p.hq * p.lq), row0((i64(b) * p.hq + i64(hk) * group) * p.lq),
-          softcap(p.softcap != 0.0), q_mul(Acc(softcap ? p.scale / p.softcap : p.scale * kLog2e)),
-          cap_log2(Acc(p.softcap * kLog2e)) {}
+          rows(group * p.lq), keys(p.keys_all), total_rows(i64(p.batch) * p.hq * p.lq),
+          row0((i64(b) * p.hq + i64(hk) * group) * p.lq), bad(false), softcap(p.softcap != 0.0),
+          q_mul(Acc(softcap ? p.scale / p.softcap : p.scale * kLog2e)), cap_log2(Acc(p.softcap * kLog2e)) {
+        if (p.keys != nullptr) {
+            const i64 stored = p.keys[b], total = stored + p.keys_add;
+            bad = stored < 0 || total > p.capacity;
+            keys = bad ? 0 : int(total);
+        }
+    }
 };
 
 template <typename T, int HK, int HV, int ROWS, int SMEM_BYTES>
@@ -208,6 +230,8 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
 
     int lo, hi;
     decode_block_keys(p, sLo, sHi, rows, keys, lo, hi);
+    const bool bad = blk.bad || !blocks_named(p, b, lo, hi);  // a bad length or table entry: no key read
+    if (bad) hi = lo;
     const int tiles = hi > lo ? (hi - lo + KEYS - 1) / KEYS : 0;
 
     // Tile t's keys [lo + t KEYS, ...) into stage s: rows past hi and columns past d (dv) zero.
@@ -358,7 +382,7 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
                 Acc o = 0;
                 for (int g = 0; g < GROUPS; ++g) o += sRed[(g * RC + rr) * HV + c];
                 const Acc l = sL[r];
-                gO[i64(r) * p.dv + c] = l > Acc(0) ? o / l : Acc(0);
+                gO[i64(r) * p.dv + c] = bad ? quiet_nan<Acc>() : l > Acc(0) ? o / l : Acc(0);
             }
         }
         __syncthreads();
@@ -366,7 +390,7 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
     Acc* gLse = static_cast<Acc*>(p.lse_part) + i64(split) * total_rows + row0;
     for (int r = tid; r < rows; r += THREADS) {
         const Acc l = sL[r];
-        gLse[r] = l > Acc(0) ? sM[r] + log2_acc(l) : neg_inf<Acc>();
+        gLse[r] = bad ? quiet_nan<Acc>() : l > Acc(0) ? sM[r] + log2_acc(l) : neg_inf<Acc>();
     }
 }
 
@@ -491,6 +515,8 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
         all_hi = min(all_hi, sHi[r]);
     }
     const bool plain_block = !softcap && p.alibi == nullptr;
+    const bool bad = blk.bad || !blocks_named(p, b, lo, hi);  // a bad length or table entry: no key read
+    if (bad) hi = lo;
     const int tiles = hi > lo ? (hi - lo + KEYS - 1) / KEYS : 0;
     const int mine = tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0;  // tiles warp, warp + WARPS, ...
 
@@ -643,20 +669,52 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
         float o = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) o += wgt[w] * sO[(w * ROWS + r) * HV + c];
-        gO[i64(r) * p.dv + c] = lr > 0.0f ? o / lr : 0.0f;
+        gO[i64(r) * p.dv + c] = bad ? quiet_nan<float>() : lr > 0.0f ? o / lr : 0.0f;
     }
     for (int r = tid; r < rows; r += Shape::kThreads) {
         float wgt[WARPS], base;
         const float lr = weights(r, wgt, base);
-        gLse[r] = lr > 0.0f ? base + log2_acc(lr) : neg_inf<float>();
+        gLse[r] = bad ? quiet_nan<float>() : lr > 0.0f ? base + log2_acc(lr) : neg_inf<float>();
     }
 }
 
 #endif  // sm_80+
 
+// New keys and values appended to the caches: k_new (B, Hk, Lnew, D) and v_new (.., Dv) into
+// positions stored .. stored + Lnew - 1 of sequence b, stored its length before the call
+// (keys[b], or keys_all - Lnew), through the block table when paged. Grid (B * Hk, up to 65535
+// new rows a block's y stride). A sequence whose length is bad, or whose new positions fall
+// in a slot naming no block, is not written at all (decode_split gives it NaN).
+template <typename T>
+__global__ void __launch_bounds__(128) decode_append(const DecodeParams p) {
+    const int b = blockIdx.x / p.hk, hk = blockIdx.x % p.hk, added = p.keys_add;
+    const i64 stored = p.keys != nullptr ? i64(p.keys[b]) : i64(p.keys_all) - added;
+    if (added <= 0 || stored < 0 || stored + added > p.capacity) return;
+    if (p.block_table != nullptr) {
+        for (i64 slot = stored / p.page; slot <= (stored + added - 1) / p.page; ++slot) {
+            const i64 block = p.block_table[b * p.bt_sb + slot];
+            if (block < 0 || block >= p.num_blocks) return;
+        }
+    }
+    T* gK = static_cast<T*>(const_cast<void*>(p.k));  // the caches, read-only to the split kernels
+    T* gV = static_cast<T*>(const_cast<void*>(p.v));
+    const T* gKn = static_cast<const T*>(p.k_new);
+    const T* gVn = static_cast<const T*>(p.v_new);
+    for (int j = blockIdx.y; j < added; j += gridDim.y) {
+        const int key = int(stored + j);
+        T* k_row = const_cast<T*>(cache_row<T>(p, gK, p.k_sb, p.k_sh, p.k_sr, b, hk, key));
+        T* v_row = const_cast<T*>(cache_row<T>(p, gV, p.v_sb, p.v_sh, p.v_sr, b, hk, key));
+        const T* k_src = gKn + b * p.kn_sb + hk * p.kn_sh + j * p.kn_sr;
+        const T* v_src = gVn + b * p.vn_sb + hk * p.vn_sh + j * p.vn_sr;
+        for (int c = threadIdx.x; c < p.d; c += blockDim.x) k_row[c] = k_src[c];
+        for (int c = threadIdx.x; c < p.dv; c += blockDim.x) v_row[c] = v_src[c];
+    }
+}
+
 // The splits' results of one query row merged, with the row's sink: lse2 = log2(2^sink +
 // sum_s 2^lse2_s), O = sum_s O_s 2^(lse2_s - lse2). A split without keys has lse2_s = -inf and
-// weight 0; a row no split and no sink reaches gets O = 0, lse = -inf.
+// weight 0; a row no split and no sink reaches gets O = 0, lse = -inf; a row any split marked
+// NaN (a bad length or block table entry) gets NaN.
 template <typename T>
 __global__ void __launch_bounds__(128) decode_merge(const DecodeParams p) {
     using Acc = typename DecodeAccOf<T>::type;
@@ -665,7 +723,12 @@ __global__ void __launch_bounds__(128) decode_merge(const DecodeParams p) {
     const Acc* gLse = static_cast<const Acc*>(p.lse_part);
     const Acc* gO = static_cast<const Acc*>(p.o_part);
     Acc mx = neg_inf<Acc>();
-    for (int s = 0; s < p.splits; ++s) mx = max(mx, gLse[s * total_rows + row]);
+    bool bad = false;
+    for (int s = 0; s < p.splits; ++s) {
+        const Acc x = gLse[s * total_rows + row];
+        bad |= x != x;
+        mx = max(mx, x);
+    }
     const Acc sink = p.sinks != nullptr ? Acc(p.sinks[row / p.lq] * kLog2e) : neg_inf<Acc>();
     mx = max(mx, sink);
     const Acc base = mx == neg_inf<Acc>() ? Acc(0) : mx;
@@ -682,9 +745,10 @@ __global__ void __launch_bounds__(128) decode_merge(const DecodeParams p) {
                 o += w * gO[(s * total_rows + row) * p.dv + c];
             }
         }
-        out[c] = static_cast<T>(o);
+        out[c] = static_cast<T>(bad ? quiet_nan<Acc>() : o);
     }
-    if (threadIdx.x == 0) static_cast<Acc*>(p.lse)[row] = any ? lse2 / Acc(kLog2e) : neg_inf<Acc>();
+    if (threadIdx.x == 0)
+        static_cast<Acc*>(p.lse)[row] = bad ? quiet_nan<Acc>() : any ? lse2 / Acc(kLog2e) : neg_inf<Acc>();
 }
 
 }  // namespace flash

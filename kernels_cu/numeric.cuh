@@ -17,6 +17,9 @@ constexpr double kLog2e = 1.4426950408889634073599246810018921;
 template <typename Acc> __device__ __forceinline__ Acc neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float(0xff800000u); }
 template <> __device__ __forceinline__ double neg_inf<double>() { return __longlong_as_double(0xfff0000000000000ull); }
+template <typename Acc> __device__ __forceinline__ Acc quiet_nan();
+template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000u); }
+template <> __device__ __forceinline__ double quiet_nan<double>() { return __longlong_as_double(0x7ff8000000000000ull); }
 
 // A value in its accumulator type: float16 and bfloat16 widen to float, float and double stay.
 __device__ __forceinline__ float widen(__half x) { return __half2float(x); }

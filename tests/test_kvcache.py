@@ -248,11 +248,12 @@ def test_decode_kernels_match_the_reference(call, num_splits):
         used = -(-(lens + new) // block_size)
         table = cupy.asarray(np.where(np.arange(table.shape[1]) < used[:, None], table, -1))
     dev = [cupy.asarray(x) for x in (q, *caches, k, v)]
+    seqlens = cupy.asarray(lens) if rs.random() < 0.5 else lens  # device lengths: checked by the kernels
     supported = (q.shape[1] // k.shape[1]) * q.shape[2] <= cuda_decode.MAX_ROWS and all(
         (n * q.dtype.itemsize) % 16 == 0 for n in (q.shape[-1], v.shape[-1]))  # else the general forward
     with mock.patch.object(cuda_decode, "plan_for", wraps=cuda_decode.plan_for) as kernels:
         out, lse = fc.flash_attention_with_kvcache(
-            dev[0], dev[1], dev[2], dev[3] if new else None, dev[4] if new else None, cache_seqlens=lens,
+            dev[0], dev[1], dev[2], dev[3] if new else None, dev[4] if new else None, cache_seqlens=seqlens,
             block_table=table, return_lse=True, num_splits=num_splits, backend="cuda", **options)
     assert kernels.called == supported
     assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype and out.shape == ref_out.shape
@@ -263,6 +264,58 @@ def test_decode_kernels_match_the_reference(call, num_splits):
         got = dev[1].get()
         for b in range(q.shape[0]):
             np.testing.assert_array_equal(got[b, :, lens[b] : lens[b] + new], k[b])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_bad_device_lengths_and_tables_give_nan_and_write_nothing(paged):
+    """Device cache_seqlens and block tables are not read back: the kernels check them. Of
+    four sequences appending two keys, one is good, one has a length past the capacity, one a
+    negative length and (paged) one a slot in use naming no block: the good one is written and
+    matches the reference; the bad ones are not written and get NaN, out and lse."""
+    import cupy
+
+    from flashcupy.problem import validate
+
+    rs = np.random.default_rng(21)
+    q, kc, vc = (rs.standard_normal(s).astype(F16) for s in ((4, 8, 1, 64), (4, 2, 64, 64), (4, 2, 64, 64)))
+    k, v = (rs.standard_normal((4, 2, 2, 64)).astype(F16) for _ in range(2))
+    lens = np.array([10, 63, -1, 20], np.int32)
+    bad = [1, 2] + ([3] if paged else [])
+    ref_out, _ = _reference(q[:1], kc[:1], vc[:1], k[:1], v[:1], lens[:1], {})
+    if paged:
+        kp, vp, table = _paged(kc, vc, 16, rs)
+        table[3, 1] = kp.shape[0]  # sequence 3's keys 16..31 lie in no block
+        caches, table = [cupy.asarray(x) for x in (kp, vp)], cupy.asarray(table)
+    else:
+        caches, table = [cupy.asarray(x) for x in (kc, vc)], None
+    before = [c.get() for c in caches]
+    read_back = []
+
+    def host_array(name, x):
+        read_back.append(name)
+        return validate.host_array(name, x)
+
+    with mock.patch("flashcupy.kvcache.host_array", host_array):
+        out, lse = fc.flash_attention_with_kvcache(
+            cupy.asarray(q), *caches, cupy.asarray(k), cupy.asarray(v), cache_seqlens=cupy.asarray(lens),
+            block_table=table, return_lse=True, backend="cuda")
+    assert read_back == []
+    out, lse = out.get(), lse.get()
+    assert np.isnan(out[bad]).all() and np.isnan(lse[bad]).all()
+    assert_rule("out", out[:1], ref_out, ref_out, F16, 1.0)
+    assert not np.isnan(out[[b for b in range(4) if b not in bad]]).any()
+    after = [c.get() for c in caches]
+    if not paged:
+        for b in range(4):
+            written = slice(lens[b], lens[b] + 2) if b not in bad else slice(0, 0)
+            untouched = np.ones(64, bool)
+            untouched[written] = False
+            np.testing.assert_array_equal(after[0][b][:, untouched], before[0][b][:, untouched])
+        np.testing.assert_array_equal(after[0][0, :, 10:12], k[0])
+    else:
+        changed = {int(n) for n in np.nonzero((after[0] != before[0]).any(axis=(1, 2, 3)))[0]}
+        assert changed == {int(table[0, 0])}  # sequence 0's keys 10, 11: its first block only
 
 
 def _window_call():

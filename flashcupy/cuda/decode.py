@@ -141,19 +141,21 @@ def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
     return min(range(1, most + 1), key=lambda s: -(-blocks * s // slots) / s * (1 + 0.01 * s))
 
 
-def kernels(q: Any, v_cache: Any, pb: Problem) -> tuple[Any, Any, int, int]:
-    """(split kernel, merge kernel, keys a step, shared memory) of a call, compiled (once a
-    process; flash_attention_with_kvcache asks before it writes the cache, so a compile error
-    leaves the cache as it was)."""
+def kernels(q: Any, v_cache: Any, pb: Problem) -> tuple[Any, Any, Any, int, int]:
+    """(split kernel, merge kernel, append kernel, keys a step, shared memory) of a call,
+    compiled (once a process; flash_attention_with_kvcache asks before it writes the cache,
+    so a compile error leaves the cache as it was)."""
     split_name, tile, smem = plan(pb.dtype, q.shape[-1], v_cache.shape[-1], pb.group_size * q.shape[2], q.device.id)
     split_fn = get_function("decode", split_name, q.device.id, smem)
-    merge_fn = get_function("decode", f"flash::decode_merge<{CXX_TYPE[_dtype_name(pb.dtype)]}>", q.device.id)
-    return split_fn, merge_fn, tile, smem
+    cxx = CXX_TYPE[_dtype_name(pb.dtype)]
+    merge_fn = get_function("decode", f"flash::decode_merge<{cxx}>", q.device.id)
+    append_fn = get_function("decode", f"flash::decode_append<{cxx}>", q.device.id)
+    return split_fn, merge_fn, append_fn, tile, smem
 
 
 #: DecodeParams' fields each launch fills (pointers, then the split of the keys), in DecodePlan's order.
-_FILLED = ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o", "lse",
-           "splits", "split_keys", "keys_all")
+_FILLED = ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o", "lse", "k_new",
+           "v_new", "splits", "split_keys", "keys_all")
 
 
 @functools.lru_cache(maxsize=256)
@@ -168,7 +170,8 @@ class DecodePlan:
     strides, scale and score options). Made once per layout by :func:`plan_for`; each call
     then costs its allocations, one block fill and two launches (:meth:`launch`)."""
 
-    def __init__(self, q: Any, k_cache: Any, v_cache: Any, pb: Problem, page: int, table_stride: int) -> None:
+    def __init__(self, q: Any, k_cache: Any, v_cache: Any, pb: Problem, k: Any, v: Any, page: int,
+                 table_stride: int, capacity: int, num_blocks: int) -> None:
         batch, hq, lq, d = q.shape
         self.hk, self.dv = k_cache.shape[1], v_cache.shape[-1]
         self.device_id = q.device.id
@@ -176,17 +179,24 @@ class DecodePlan:
         self.out_shape, self.lse_shape = (batch, hq, lq, self.dv), (batch, hq, lq)
         self.rows = batch * hq * lq
         self.blocks = batch * self.hk
-        self.split_fn, self.merge_fn, self.tile, self.smem = kernels(q, v_cache, pb)
+        self.split_fn, self.merge_fn, self.append_fn, self.tile, self.smem = kernels(q, v_cache, pb)
+        self.new = 0 if k is None else k.shape[2]
         self.slots = _resident_blocks(self.device_id, self.smem, int(getattr(self.split_fn, "num_regs", 0)))
         #: q is copied when its last axis is strided (the kernels read 16-byte chunks).
         self.copy_q = q.strides[-1] != q.itemsize
-        q_strides = tuple(s // q.itemsize for s in q.strides[:3]) if not self.copy_q else (hq * lq * d, lq * d, d)
+        q_strides = _elements(q) if not self.copy_q else _packed(q.shape)
         fields = dict(scale=pb.scale, softcap=pb.softcap or 0.0, batch=batch, hq=hq, hk=self.hk, lq=lq, d=d,
-                      dv=self.dv, causal=P.CAUSAL_CODE[pb.causal], page=page, bt_sb=table_stride)
-        for prefix, strides in (("q", q_strides), ("k", k_cache.strides), ("v", v_cache.strides)):
-            step = 1 if prefix == "q" else k_cache.itemsize
+                      dv=self.dv, causal=P.CAUSAL_CODE[pb.causal], page=page, bt_sb=table_stride,
+                      keys_add=self.new, capacity=capacity, num_blocks=num_blocks)
+        #: k and v (the new keys) are copied when their last axis is strided (the append reads rows).
+        self.copy_new = self.new and (k.strides[-1] != k.itemsize or v.strides[-1] != v.itemsize)
+        rows = [("q", q_strides), ("k", _elements(k_cache)), ("v", _elements(v_cache))]
+        if self.new:
+            rows += [("kn", _elements(k) if not self.copy_new else _packed(k.shape)),
+                     ("vn", _elements(v) if not self.copy_new else _packed(v.shape))]
+        for prefix, strides in rows:
             for axis, stride in zip(("sb", "sh", "sr"), strides[:3]):
-                fields[f"{prefix}_{axis}"] = stride // step
+                fields[f"{prefix}_{axis}"] = stride
         left, right = pb.window if pb.window is not None else (None, None)
         fields["window_left"] = -1 if left is None else min(left, 2**31 - 1)
         fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
@@ -201,51 +211,71 @@ class DecodePlan:
         split_keys = -(-tiles // min(num_splits, tiles, 65535)) * self.tile  # grid y <= 65535
         return max(1, -(-max_keys // split_keys)), split_keys
 
-    def launch(self, q: Any, k_cache: Any, v_cache: Any, keys: Any, max_keys: int, table: Any, alibi: Any,
-               sinks: Any, num_splits: int) -> tuple[Any, Any]:
-        """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of one call. keys: an int (every sequence's
-        count) or a device (B,) int32 array, at most ``max_keys``; table: the device int32
-        block table this plan's stride describes, or None; alibi, sinks: device (B, Hq)
-        float64 arrays or None."""
+    def launch(self, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, lengths: Any, max_keys: int, table: Any,
+               alibi: Any, sinks: Any, num_splits: int) -> tuple[Any, Any]:
+        """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of one call, after k and v (B, Hk, Lnew, D /
+        Dv; None without an append) are written into the caches. lengths: an int, every
+        sequence's keys after the append, or a device (B,) int32 array of each one's before it
+        (its bad values give NaN, see decode_params.cuh); max_keys: the most keys a sequence
+        attends (the split is planned for it); table: the device int32 block table this plan's
+        stride describes, or None; alibi, sinks: device (B, Hq) float64 arrays or None."""
         import cupy as cp
 
         out = _empty(self.out_shape, self.dtype, cp)
         lse = _empty(self.lse_shape, self.acc, cp)
-        if self.rows == 0:
+        if self.blocks == 0:
             return out, lse
         splits, split_keys = self.splits(max_keys, num_splits)
         if self.copy_q:
             q = cp.ascontiguousarray(q)
+        if self.copy_new:
+            k, v = cp.ascontiguousarray(k), cp.ascontiguousarray(v)
         # The splits' partial outputs (splits, rows, Dv) and log-sum-exps (splits, rows) in one allocation.
         item = self.acc.itemsize
         part = cp.cuda.alloc(splits * self.rows * (self.dv + 1) * item)
         o_part = part.ptr
         lse_part = o_part + splits * self.rows * self.dv * item
-        per_sequence = not isinstance(keys, int)
+        per_sequence = not isinstance(lengths, int)
         block = self.template.fill_bytes(
-            q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, keys.data.ptr if per_sequence else 0,
+            q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths.data.ptr if per_sequence else 0,
             0 if table is None else table.data.ptr, 0 if alibi is None else alibi.data.ptr,
             0 if sinks is None else sinks.data.ptr, o_part, lse_part, out.data.ptr, lse.data.ptr,
-            splits, split_keys, 0 if per_sequence else keys)
-        if self.blocks:
+            k.data.ptr if self.new else 0, v.data.ptr if self.new else 0,
+            splits, split_keys, 0 if per_sequence else lengths)
+        if self.new:
+            launch(self.append_fn, (self.blocks, min(self.new, 65535)), THREADS, block)
+        if self.rows:
             launch(self.split_fn, (self.blocks, splits), THREADS, block, self.smem)
-        launch(self.merge_fn, (self.rows,), THREADS, block)
+            launch(self.merge_fn, (self.rows,), THREADS, block)
         del part  # CuPy's pool hands freed memory only to later work on the stream
         return out, lse
 
 
-def plan_for(q: Any, k_cache: Any, v_cache: Any, pb: Problem, page: int = 0, table_stride: int = 0) -> DecodePlan:
+def _elements(x: Any) -> tuple[int, ...]:
+    """An array's strides in elements."""
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def _packed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides in elements of a C-contiguous array of ``shape``."""
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def plan_for(q: Any, k_cache: Any, v_cache: Any, pb: Problem, k: Any = None, v: Any = None, page: int = 0,
+             table_stride: int = 0, capacity: int = 0, num_blocks: int = 0) -> DecodePlan:
     """The :class:`DecodePlan` of a call's layout (made on the first call of it): q, the caches,
-    the problem's scalar options; page: keys a block of a paged cache (0: contiguous);
-    table_stride: the device block table's row stride in elements."""
+    the problem's scalar options, the new keys and values (or None); page: keys a block of a
+    paged cache (0: contiguous); table_stride: the device block table's row stride in
+    elements; capacity: keys a sequence's cache holds; num_blocks: blocks of a paged cache."""
+    new = None if k is None else (k.shape, k.strides, v.shape, v.strides)
     key = (q.device.id, pb.dtype, q.shape, q.strides, k_cache.shape, k_cache.strides, v_cache.shape,
-           v_cache.strides, pb.scale, math.copysign(1.0, pb.scale), pb.softcap, pb.causal, pb.window, page,
-           table_stride)
+           v_cache.strides, new, pb.scale, math.copysign(1.0, pb.scale), pb.softcap, pb.causal, pb.window, page,
+           table_stride, capacity, num_blocks)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 256:  # a few per model (a layer shape and batch size each): bounded all the same
             _PLANS.clear()
-        plan = _PLANS[key] = DecodePlan(q, k_cache, v_cache, pb, page, table_stride)
+        plan = _PLANS[key] = DecodePlan(q, k_cache, v_cache, pb, k, v, page, table_stride, capacity, num_blocks)
     return plan
 
 

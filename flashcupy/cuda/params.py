@@ -50,11 +50,12 @@ BWD_PARAMS_DTYPE = np.dtype(
 #: flash::DecodeParams (kernels_cu/decode_params.cuh): the split-KV decode kernels' block.
 DECODE_PARAMS_DTYPE = np.dtype(
     [(n, np.uint64) for n in ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o",
-                              "lse")]
-    + [(n, np.int64) for n in ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_sr", "bt_sb")]
+                              "lse", "k_new", "v_new")]
+    + [(n, np.int64) for n in ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_sr", "bt_sb",
+                               "kn_sb", "kn_sh", "kn_sr", "vn_sb", "vn_sh", "vn_sr")]
     + [("scale", np.float64), ("softcap", np.float64)]
     + [(n, np.int32) for n in ("batch", "hq", "hk", "lq", "d", "dv", "causal", "window_left", "window_right",
-                               "page", "splits", "split_keys", "keys_all")],
+                               "page", "splits", "split_keys", "keys_all", "keys_add", "capacity", "num_blocks")],
     align=True,
 )
 
