@@ -244,17 +244,23 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
             table = xp.asarray(np.ascontiguousarray(host_array("block_table", block_table), dtype=np.int32))
         else:
             table = xp.asarray(_checked_table(block_table, total, lay).astype(np.int32))
-    plan = dec.plan_for(q, k_cache, v_cache, lay.pb, k, v, lay.block_size, 0 if table is None else table.strides[0] // 4,
-                        lay.capacity, lay.n_blocks)
+    stride = None if table is None else table.strides[0]
+    plan = lay.plans.get(stride)  # the layout fixes all the plan depends on but a copied table's stride
+    if plan is None:
+        plan = lay.plans[stride] = dec.plan_for(
+            q, k_cache, v_cache, lay.pb, k, v, lay.block_size, 0 if table is None else table.strides[0] // 4,
+            lay.capacity, lay.n_blocks)
     alibi, sinks = dec.score_arrays(lay.pb, q.shape[:2])
-    out, lse = plan.launch(q, k_cache, v_cache, k, v, lengths, most, table, alibi, sinks, num_splits)
+    out, lse = plan.launch(q, k_cache, v_cache, k, v, lengths, most, table, alibi, sinks, num_splits,
+                           want_lse=lay.pb.return_lse)
     return (out, lse) if lay.pb.return_lse else out
 
 
 class _Layout(NamedTuple):
     """What a call's arrays' layout and options decide, checked once per layout: the array
     module, paged or not, the dims, the cache's capacity a sequence, Lnew, and whether the
-    decode kernels take it (then ``pb``: their problem, the options on the whole cache)."""
+    decode kernels take it (then ``pb``: their problem, the options on the whole cache, and
+    ``plans``, their launch plans)."""
 
     xp: Any
     paged: bool
@@ -268,6 +274,7 @@ class _Layout(NamedTuple):
     new: int
     decode: bool
     pb: Any
+    plans: dict  # the decode kernels' plans by the device table's row stride, made on first use
 
 
 #: Layouts by :func:`_layout_key`; a decode loop repeats one per layer shape.
@@ -368,7 +375,7 @@ def _layout(q, k_cache, v_cache, k, v, block_table, options, num_splits) -> _Lay
             _standin(xp, q.dtype, (batch, hk, capacity, c.shape[-1])) for c in (k_cache, v_cache))
         pb = make_device_problem(q, *whole, options)
         _cuda_decode().kernels(q, v_cache, pb)  # compiled before the cache is written
-    return _Layout(xp, paged, batch, hk, d, v_cache.shape[-1], block_size, n_blocks, capacity, new, decode, pb)
+    return _Layout(xp, paged, batch, hk, d, v_cache.shape[-1], block_size, n_blocks, capacity, new, decode, pb, {})
 
 
 def _append(xp, k_cache, v_cache, k, v, lens, start, table, device_table, block_size) -> None:

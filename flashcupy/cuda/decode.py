@@ -212,17 +212,18 @@ class DecodePlan:
         return max(1, -(-max_keys // split_keys)), split_keys
 
     def launch(self, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, lengths: Any, max_keys: int, table: Any,
-               alibi: Any, sinks: Any, num_splits: int) -> tuple[Any, Any]:
+               alibi: Any, sinks: Any, num_splits: int, want_lse: bool = True) -> tuple[Any, Any]:
         """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of one call, after k and v (B, Hk, Lnew, D /
         Dv; None without an append) are written into the caches. lengths: an int, every
         sequence's keys after the append, or a device (B,) int32 array of each one's before it
         (its bad values give NaN, see decode_params.cuh); max_keys: the most keys a sequence
         attends (the split is planned for it); table: the device int32 block table this plan's
-        stride describes, or None; alibi, sinks: device (B, Hq) float64 arrays or None."""
+        stride describes, or None; alibi, sinks: device (B, Hq) float64 arrays or None. Without
+        ``want_lse`` the lse returned is None (the merge writes it beside the partials)."""
         import cupy as cp
 
         out = _empty(self.out_shape, self.dtype, cp)
-        lse = _empty(self.lse_shape, self.acc, cp)
+        lse = _empty(self.lse_shape, self.acc, cp) if want_lse else None
         if self.blocks == 0:
             return out, lse
         splits, split_keys = self.splits(max_keys, num_splits)
@@ -230,16 +231,18 @@ class DecodePlan:
             q = cp.ascontiguousarray(q)
         if self.copy_new:
             k, v = cp.ascontiguousarray(k), cp.ascontiguousarray(v)
-        # The splits' partial outputs (splits, rows, Dv) and log-sum-exps (splits, rows) in one allocation.
+        # The splits' partial outputs (splits, rows, Dv) and log-sum-exps (splits, rows), and
+        # the lse when the caller does not keep it (rows), in one allocation.
         item = self.acc.itemsize
-        part = cp.cuda.alloc(splits * self.rows * (self.dv + 1) * item)
+        part = cp.cuda.alloc((splits * (self.dv + 1) + (lse is None)) * self.rows * item)
         o_part = part.ptr
         lse_part = o_part + splits * self.rows * self.dv * item
+        lse_ptr = lse.data.ptr if lse is not None else lse_part + splits * self.rows * item
         per_sequence = not isinstance(lengths, int)
         block = self.template.fill_bytes(
             q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths.data.ptr if per_sequence else 0,
             0 if table is None else table.data.ptr, 0 if alibi is None else alibi.data.ptr,
-            0 if sinks is None else sinks.data.ptr, o_part, lse_part, out.data.ptr, lse.data.ptr,
+            0 if sinks is None else sinks.data.ptr, o_part, lse_part, out.data.ptr, lse_ptr,
             k.data.ptr if self.new else 0, v.data.ptr if self.new else 0,
             splits, split_keys, 0 if per_sequence else lengths)
         if self.new:
