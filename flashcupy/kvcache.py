@@ -85,10 +85,16 @@ def _standin(xp: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
 
 
 def _cuda_decode():
-    """flashcupy.cuda.decode, imported where a GPU call needs it (CuPy stays optional)."""
-    from .cuda import decode
+    """flashcupy.cuda.decode, imported where a GPU call first needs it (CuPy stays optional)."""
+    global _DECODE
+    if _DECODE is None:
+        from .cuda import decode
 
-    return decode
+        _DECODE = decode
+    return _DECODE
+
+
+_DECODE = None
 
 
 def flash_attention_with_kvcache(
@@ -250,7 +256,8 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         plan = lay.plans[stride] = dec.plan_for(
             q, k_cache, v_cache, lay.pb, k, v, lay.block_size, 0 if table is None else table.strides[0] // 4,
             lay.capacity, lay.n_blocks)
-    alibi, sinks = dec.score_arrays(lay.pb, q.shape[:2])
+    alibi, sinks = (None, None) if lay.pb.alibi_slopes is None and lay.pb.sinks is None else \
+        dec.score_arrays(lay.pb, q.shape[:2])
     out, lse = plan.launch(q, k_cache, v_cache, k, v, lengths, most, table, alibi, sinks, num_splits,
                            want_lse=lay.pb.return_lse)
     return (out, lse) if lay.pb.return_lse else out

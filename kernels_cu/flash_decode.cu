@@ -454,6 +454,16 @@ __device__ __forceinline__ void copy_rows(const DecodeParams& p, T* dst, int ld,
     static_assert(CPR <= 32 && KEYS % RPI == 0, "whole rows an instruction");
     const int lane = threadIdx.x % 32, ch = lane % CPR, r0 = lane / CPR;
     const T* first = base + start.block * sb + hk * sh + i64(start.row) * sr + ch * VEC;
+    if (start.run && k0 + KEYS <= hi && ch * VEC < cols) {
+        // The steady state: one run of rows, all in range. A fixed step between this lane's
+        // copies, no per-row test or 64-bit product (they had cost more instructions than
+        // the rest of a tile's work).
+        const T* src = first + r0 * sr;
+        const i64 step = RPI * sr;
+#pragma unroll
+        for (int i = 0; i < KEYS / RPI; ++i, src += step) cp_async_16(dst + (r0 + i * RPI) * ld + ch * VEC, src, true);
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < KEYS / RPI; ++i) {
         const int r = r0 + i * RPI, key = k0 + r;

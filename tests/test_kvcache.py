@@ -251,7 +251,8 @@ def test_decode_kernels_match_the_reference(call, num_splits):
     seqlens = cupy.asarray(lens) if rs.random() < 0.5 else lens  # device lengths: checked by the kernels
     supported = (q.shape[1] // k.shape[1]) * q.shape[2] <= cuda_decode.MAX_ROWS and all(
         (n * q.dtype.itemsize) % 16 == 0 for n in (q.shape[-1], v.shape[-1]))  # else the general forward
-    with mock.patch.object(cuda_decode, "plan_for", wraps=cuda_decode.plan_for) as kernels:
+    with mock.patch.object(cuda_decode.DecodePlan, "launch", autospec=True,
+                           side_effect=cuda_decode.DecodePlan.launch) as kernels:
         out, lse = fc.flash_attention_with_kvcache(
             dev[0], dev[1], dev[2], dev[3] if new else None, dev[4] if new else None, cache_seqlens=seqlens,
             block_table=table, return_lse=True, num_splits=num_splits, backend="cuda", **options)

@@ -265,19 +265,35 @@ def get_function(family: str, name: str, device_id: int, smem_bytes: int = 0):
     return fn
 
 
-def launch(fn: Any, grid: tuple[int, ...], threads: int, block: bytes | bytearray, smem_bytes: int = 0) -> None:
-    """Launch ``fn`` (from :func:`get_function`) on the current stream with one by-value
-    argument, a parameter block's bytes, through the driver API: CuPy's own call wraps and
-    converts each argument first, a few microseconds a launch that decoding's short calls feel."""
+def kernel_args(block: bytearray) -> tuple[Any, int]:
+    """(keep-alive, address) of the driver's argument array for kernels taking one by-value
+    parameter block: pass the address to :func:`launch_ptr`; keep the first alive until the
+    launches are queued (the driver copies the block at each launch)."""
     import ctypes
 
+    arg = (ctypes.c_char * len(block)).from_buffer(block)
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+    return (arg, args), ctypes.addressof(args)
+
+
+def launch_ptr(function: int, grid: tuple[int, ...], threads: int, args: int, smem_bytes: int, stream: int) -> None:
+    """Launch the CUfunction ``function`` on ``stream`` with the argument array at ``args``
+    (:func:`kernel_args`), through the driver API: CuPy's own call wraps and converts each
+    argument first, a few microseconds a launch that decoding's short calls feel."""
     import cupy
 
-    arg = (ctypes.c_char * len(block)).from_buffer(bytearray(block))
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
     gx, gy, gz = (*grid, 1, 1)[:3]
-    cupy.cuda.driver.launchKernel(fn.kernel.ptr, gx, gy, gz, threads, 1, 1, smem_bytes,
-                                  cupy.cuda.get_current_stream().ptr, ctypes.addressof(args), 0)
+    cupy.cuda.driver.launchKernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, args, 0)
+
+
+def launch(fn: Any, grid: tuple[int, ...], threads: int, block: bytes | bytearray, smem_bytes: int = 0) -> None:
+    """Launch ``fn`` (from :func:`get_function`) on the current stream with one by-value
+    argument, a parameter block's bytes (:func:`launch_ptr`)."""
+    import cupy
+
+    keep, args = kernel_args(bytearray(block))
+    launch_ptr(fn.kernel.ptr, grid, threads, args, smem_bytes, cupy.cuda.get_current_stream().ptr)
+    del keep
 
 
 def precompile(kernels: Iterable[tuple[str, str, int]], device_id: int, workers: int = 8) -> None:

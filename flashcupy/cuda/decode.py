@@ -18,7 +18,7 @@ import numpy as np
 from ..problem import Problem, accumulator_dtype
 from . import _dtype_name, _empty, device_limits
 from . import params as P
-from .compile import get_function, launch
+from .compile import get_function, kernel_args, launch_ptr
 from .spec import CXX_TYPE
 
 #: Head dims the kernel is compiled for (a call's D and Dv each take the smallest that fits).
@@ -180,6 +180,11 @@ class DecodePlan:
         self.rows = batch * hq * lq
         self.blocks = batch * self.hk
         self.split_fn, self.merge_fn, self.append_fn, self.tile, self.smem = kernels(q, v_cache, pb)
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):  # the CUfunctions of q's device, launched through the driver
+            self.split_ptr, self.merge_ptr, self.append_ptr = (f.kernel.ptr for f in (self.split_fn, self.merge_fn,
+                                                                                      self.append_fn))
         self.new = 0 if k is None else k.shape[2]
         self.slots = _resident_blocks(self.device_id, self.smem, int(getattr(self.split_fn, "num_regs", 0)))
         #: q is copied when its last axis is strided (the kernels read 16-byte chunks).
@@ -245,12 +250,14 @@ class DecodePlan:
             0 if sinks is None else sinks.data.ptr, o_part, lse_part, out.data.ptr, lse_ptr,
             k.data.ptr if self.new else 0, v.data.ptr if self.new else 0,
             splits, split_keys, 0 if per_sequence else lengths)
+        keep, args = kernel_args(block)
+        stream = cp.cuda.get_current_stream().ptr
         if self.new:
-            launch(self.append_fn, (self.blocks, min(self.new, 65535)), THREADS, block)
+            launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, args, 0, stream)
         if self.rows:
-            launch(self.split_fn, (self.blocks, splits), THREADS, block, self.smem)
-            launch(self.merge_fn, (self.rows,), THREADS, block)
-        del part  # CuPy's pool hands freed memory only to later work on the stream
+            launch_ptr(self.split_ptr, (self.blocks, splits), THREADS, args, self.smem, stream)
+            launch_ptr(self.merge_ptr, (self.rows,), THREADS, args, 0, stream)
+        del part, keep  # CuPy's pool hands freed memory only to later work on the stream
         return out, lse
 
 
