@@ -411,6 +411,36 @@ def test_a_repeated_layout_still_checks_each_calls_values():
         np.testing.assert_array_equal(got, want)
 
 
+def test_layout_key_covers_what_the_checks_read():
+    """The layout cache's key changes with every array property and option the checks read,
+    and calls it cannot key (option arrays, unhashable options) are checked in full each time."""
+    from flashcupy.kvcache import _layout_key
+
+    rs = np.random.default_rng(9)
+    q, kc, vc, k, v = _cache(rs)
+    opts = {"causal": False, "scale": None, "window": None, "alibi_slopes": None, "softcap": None, "sinks": None,
+            "return_lse": False, "allow_tf32": False, "backend": "cpu"}
+    base = _layout_key(q, kc, vc, k, v, 3, None, opts, 0)
+    assert base is not None and base == _layout_key(q.copy(), kc.copy(), vc.copy(), k, v, 7, None, dict(opts), 0)
+    changed = [
+        _layout_key(q.astype(F64), kc, vc, k, v, 3, None, opts, 0),
+        _layout_key(q, kc[:, :, :8], vc[:, :, :8], k, v, 3, None, opts, 0),
+        _layout_key(q, np.asfortranarray(kc), vc, k, v, 3, None, opts, 0),
+        _layout_key(q, kc, vc, None, None, 3, None, opts, 0),
+        _layout_key(q, kc, vc, k, v, np.array([3, 4]), None, opts, 0),
+        _layout_key(q, kc, vc, k, v, 3, None, {**opts, "causal": True}, 0),
+        _layout_key(q, kc, vc, k, v, 3, None, opts, 2),
+    ]
+    assert all(key is not None and key != base for key in changed)
+    assert len(set(changed)) == len(changed)
+    for odd in ({"window": [1, 2]}, {"alibi_slopes": np.ones(4)}, {"sinks": np.zeros(4)}):
+        assert _layout_key(q, kc, vc, k, v, 3, None, {**opts, **odd}, 0) is None
+    assert _layout_key(q, kc, vc, k, v, [3, 4], None, opts, 0) is None  # a list: converted each call
+    out = fc.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=[3, 4], window=[1, 2], backend="cpu")
+    want = fc.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=[3, 4], window=(1, 2), backend="cpu")
+    np.testing.assert_array_equal(out, want)
+
+
 def test_decode_split_count_fills_waves_of_resident_blocks():
     """choose_splits: a grid short of one wave splits to fill it; one a little over a wave
     splits rather than run a second, mostly idle wave; short caches keep MIN_SPLIT_KEYS."""
