@@ -140,12 +140,12 @@ def flash_attention_with_kvcache(
             is bottom-right, query row i sees keys <= i + keys - Lq, with keys =
             cache_seqlens[b] + Lnew.
         Lengths and tables on the host (ints, NumPy arrays) are checked before anything is
-            written (a ValueError names the bad value). On the decode kernels, a CuPy
+            written (a ValueError names the bad value). On the decode kernels a CuPy
             cache_seqlens or block_table is not read back (no host-device sync): the kernels
-            check it, and a sequence whose length is
-            negative or past the capacity, or whose keys fall in a slot naming no block, is
-            neither written nor read and gets NaN outputs (and lse); the split is then planned
-            for the whole capacity.
+            check it (and, with CuPy lengths, the table wherever it lies), and a sequence whose
+            length is negative or past the capacity, or whose keys fall in a slot naming no
+            block, is neither written nor read and gets NaN outputs (and lse). With CuPy
+            lengths the split is planned for the whole capacity.
         num_splits: blocks each sequence's keys are split over on the GPU, their partial
             results merged: 0 (default) chooses from the batch, KV heads, keys and the GPU's
             multiprocessors; a number is honoured up to one split per tile of keys. The
@@ -172,15 +172,12 @@ def flash_attention_with_kvcache(
     xp, paged, batch, block_size, new = lay.xp, lay.paged, lay.batch, lay.block_size, lay.new
     lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
     keys = _room(lay, lens, start)
-    total = np.full(batch, keys) if start is not None else lens + new
-    table = device_table = None
+    options["kv_lengths"] = total = np.full(batch, keys) if start is not None else lens + new
+    table = device_table = prepared = None
     if paged:
         table = _checked_table(block_table, total, lay)
         if xp is not np and interop.is_gpu_array(block_table):  # a CuPy view of the caller's device table
             device_table = interop.to_device(block_table)
-    options["kv_lengths"] = total
-    prepared = None
-    if paged:
         make = make_host_problem if xp is np else make_device_problem
         pb = make(q, _standin(xp, q.dtype, (batch, lay.hk, keys, lay.d)),
                   _standin(xp, q.dtype, (batch, lay.hk, keys, lay.dv)), options)

@@ -168,7 +168,8 @@ class DecodePlan:
     """What every decode call of one layout shares: its kernels, their shared memory and
     resident blocks, the output shapes and the parameter block's fixed fields (shapes,
     strides, scale and score options). Made once per layout by :func:`plan_for`; each call
-    then costs its allocations, one block fill and two launches (:meth:`launch`)."""
+    then costs its allocations, one block fill and two launches, three with an append
+    (:meth:`launch`)."""
 
     def __init__(self, q: Any, k_cache: Any, v_cache: Any, pb: Problem, k: Any, v: Any, page: int,
                  table_stride: int, capacity: int, num_blocks: int) -> None:
