@@ -379,7 +379,17 @@ def _layout(q, k_cache, v_cache, k, v, block_table, options, num_splits) -> _Lay
             _standin(xp, q.dtype, (batch, hk, capacity, c.shape[-1])) for c in (k_cache, v_cache))
         pb = make_device_problem(q, *whole, options)
         _cuda_decode().kernels(q, v_cache, pb)  # compiled before the cache is written
+        pb = _without_arrays(pb)  # a kept layout must not keep this call's q and caches alive
     return _Layout(xp, paged, batch, hk, d, v_cache.shape[-1], block_size, n_blocks, capacity, new, decode, pb, {})
+
+
+def _without_arrays(pb: Any) -> Any:
+    """``pb`` with q, k and v None: its shapes, dtype and options, which the decode kernels'
+    plan reads, without the arrays (the layout cache would otherwise hold on to the first
+    call's caches, gigabytes of device memory, after the caller let them go)."""
+    kept = object.__new__(type(pb))
+    kept.__dict__.update(pb.__dict__, q=None, k=None, v=None)
+    return kept
 
 
 def _append(xp, k_cache, v_cache, k, v, lens, start, table, device_table, block_size) -> None:

@@ -441,6 +441,42 @@ def test_layout_key_covers_what_the_checks_read():
     np.testing.assert_array_equal(out, want)
 
 
+def test_a_kept_layout_holds_no_array():
+    """The decode layout's problem keeps every field but the arrays: the layout cache must not
+    keep a call's q and caches alive after the caller drops them."""
+    import weakref
+
+    from flashcupy.kvcache import _without_arrays
+    from flashcupy.problem import make_host_problem
+
+    q, kc, vc, _, _ = _cache(np.random.default_rng(10))
+    pb = make_host_problem(q, kc, vc, {"causal": True, "softcap": 30.0, "return_lse": True})
+    kept = _without_arrays(pb)
+    assert type(kept) is type(pb) and kept.q is None and kept.k is None and kept.v is None
+    fields = {n: v for n, v in vars(pb).items() if n not in ("q", "k", "v")}
+    assert {n: v for n, v in vars(kept).items() if n not in ("q", "k", "v")} == fields
+    assert kept.group_size == pb.group_size and kept.return_lse and kept.softcap == 30.0
+    gone = weakref.ref(kc)
+    del pb, kc
+    assert gone() is None
+
+
+@pytest.mark.gpu
+def test_decoding_does_not_keep_a_dropped_cache_alive():
+    """After a decode call, a cache the caller drops is freed (the layout and plan caches hold
+    shapes, not arrays)."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    q = cupy.ones((1, 8, 1, 128), cupy.float16)
+    cache = cupy.ones((1, 2, 65536, 128), cupy.float16)  # 32 MiB
+    fc.flash_attention_with_kvcache(q, cache, cache, cache_seqlens=100)
+    cupy.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    del cache
+    assert before - pool.used_bytes() >= 32 * 2**20
+
+
 def test_decode_split_count_fills_waves_of_resident_blocks():
     """choose_splits: a grid short of one wave splits to fill it; one a little over a wave
     splits rather than run a second, mostly idle wave; short caches keep MIN_SPLIT_KEYS."""
