@@ -201,9 +201,10 @@ def backward_launches(pb: Problem, spec: BackwardSpec) -> list[Launch]:
     return out
 
 
-def _run(launch: Launch, device_id: int, params) -> None:
+def _run(launch: Launch, device_id: int, block: bytearray) -> None:
+    """One launch of a call with its parameter block's bytes."""
     launch_block(get_function(launch.family, launch.name, device_id, launch.smem_bytes), launch.grid,
-                 launch.threads, params.tobytes(), launch.smem_bytes)
+                 launch.threads, block, launch.smem_bytes)
 
 
 def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0) -> tuple[np.void, list]:
@@ -264,7 +265,7 @@ def score_set(pb: Problem) -> ScoreSet:
                        softcap=pb.softcap is not None, dropout=pb.dropout_p > 0)
 
 
-#: The pointer fields a forward template fills, in the order :meth:`~params.Template.fill` takes them.
+#: The pointer fields a forward template fills, in the order :meth:`~params.Template.fill_bytes` takes them.
 _FORWARD_POINTERS = ("q", "k", "v", "o", "lse")
 #: The same for the backward block: the forward's, then those of the gradients and buffers.
 _BACKWARD_POINTERS = ("f.q", "f.k", "f.v", "f.o", "f.lse", "dout", "out", "delta", "lse2", "dq", "dk", "dv",
@@ -335,7 +336,7 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         q_ptr, k_ptr, v_ptr = (x.data.ptr for x in operands)
         if cached is not None and not (q_ptr | k_ptr | v_ptr) % 16:
             template, launches = cached
-            params, keep_alive = template.fill(q_ptr, k_ptr, v_ptr, out.data.ptr, lse.data.ptr), []
+            block, keep_alive = template.fill_bytes(q_ptr, k_ptr, v_ptr, out.data.ptr, lse.data.ptr), []
         else:
             q, k, v = _operands(pb, xp)
             params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp,
@@ -343,8 +344,9 @@ def forward(pb: Problem) -> tuple[Any, Any]:
             launches = forward_launches(pb, spec)
             if key is not None and _same_memory((q, k, v), operands):
                 _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS), launches)
+            block = bytearray(params.tobytes())
         for launch in launches:
-            _run(launch, device_id, params)
+            _run(launch, device_id, block)
         del keep_alive  # safe: memory CuPy frees now is reused only by work queued after this launch
     return out, lse
 
@@ -405,8 +407,8 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         finish_dbias = None
         if cached is not None and not (q_ptr | k_ptr | v_ptr | dout_ptr | out_ptr) % 16:
             template, launches = cached
-            bparams = template.fill(q_ptr, k_ptr, v_ptr, out_ptr, lse.data.ptr, dout_ptr, out_ptr, delta.data.ptr,
-                                    lse2.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum)
+            block = template.fill_bytes(q_ptr, k_ptr, v_ptr, out_ptr, lse.data.ptr, dout_ptr, out_ptr,
+                                        delta.data.ptr, lse2.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum)
             keep_alive = []
         else:
             q, k, v = _operands(pb, xp)
@@ -428,8 +430,9 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             launches = backward_launches(pb, spec)
             if key is not None and _same_memory((q, k, v, dout, out), operands):
                 _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS), launches)
+            block = bytearray(bparams.tobytes())
         for launch in launches:
-            _run(launch, device_id, bparams)
+            _run(launch, device_id, block)
         dbias = finish_dbias() if finish_dbias is not None else None
         del keep_alive
     return dq, dk, dv, dbias, delta

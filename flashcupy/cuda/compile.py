@@ -286,12 +286,12 @@ def launch_ptr(function: int, grid: tuple[int, ...], threads: int, args: int, sm
     cupy.cuda.driver.launchKernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, args, 0)
 
 
-def launch(fn: Any, grid: tuple[int, ...], threads: int, block: bytes | bytearray, smem_bytes: int = 0) -> None:
+def launch(fn: Any, grid: tuple[int, ...], threads: int, block: bytearray, smem_bytes: int = 0) -> None:
     """Launch ``fn`` (from :func:`get_function`) on the current stream with one by-value
     argument, a parameter block's bytes (:func:`launch_ptr`)."""
     import cupy
 
-    keep, args = kernel_args(bytearray(block))
+    keep, args = kernel_args(block)
     launch_ptr(fn.kernel.ptr, grid, threads, args, smem_bytes, cupy.cuda.get_current_stream().ptr)
     del keep
 

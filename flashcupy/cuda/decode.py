@@ -158,9 +158,8 @@ _FILLED = ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "ls
            "v_new", "splits", "split_keys", "keys_all")
 
 
-@functools.lru_cache(maxsize=256)
 def _template(fields: tuple[tuple[str, Any], ...]) -> P.Template:
-    """The parameter block of these fixed fields, packed once; each launch fills the rest."""
+    """The parameter block of these fixed fields, packed once a plan; each launch fills the rest."""
     return P.Template(P.pack(P.DECODE_PARAMS_DTYPE, **dict(fields)), _FILLED)
 
 

@@ -1,8 +1,8 @@
 """The host image of ``flash::Params`` (kernels_cu/flash_params.cuh).
 
-The struct is passed to the kernel by value as a NumPy scalar: structured from
-:func:`pack`, raw bytes from a :class:`Template` (one per layout, reused by every
-call of that layout with its own pointers). Fields are listed here in the struct's
+The struct is passed to the kernel by value as its bytes (compile.launch): those of a
+structured NumPy scalar from :func:`pack`, or of a :class:`Template` (one per layout,
+reused by every call of that layout with its own pointers). Fields are listed here in the struct's
 order; 8-byte fields come first, so neither side inserts padding, and the kernels
 check ``sizeof(Params)`` against :data:`PARAMS_DTYPE`'s size at compile time
 (FLASH_PARAMS_SIZE).
@@ -107,39 +107,31 @@ def pack(dtype: np.dtype = PARAMS_DTYPE, **fields: Any) -> np.void:
     return np.frombuffer(bytearray(packer.pack(*values)), dtype=dtype)[0]
 
 
-def _field_type(dtype: np.dtype, name: str) -> np.dtype:
-    """The dtype of a field; ``"f.q"`` names field ``q`` of the nested block ``f``."""
-    for part in name.split("."):
-        dtype = dtype.fields[part][0]
-    return dtype
-
-
-def _field_offset(dtype: np.dtype, name: str) -> int:
-    """Byte offset of a field in a block; ``"f.q"`` names field ``q`` of the nested block ``f``."""
+def _field(dtype: np.dtype, name: str) -> tuple[int, np.dtype]:
+    """(byte offset, dtype) of a field in a block; ``"f.q"`` names field ``q`` of the nested block ``f``."""
     offset = 0
     for part in name.split("."):
         dtype, inner = dtype.fields[part][:2]
         offset += inner
-    return offset
+    return offset, dtype
 
 
 class Template:
     """A packed block whose named fields are rewritten for each launch, the rest kept.
 
     For calls whose every other field is the same (same shapes, strides and options),
-    ``fill`` costs a copy of the bytes and one ``struct.pack_into`` per run of adjacent
+    ``fill_bytes`` costs a copy of the bytes and one ``struct.pack_into`` per run of adjacent
     fields instead of packing every field again.
     """
 
     def __init__(self, record: np.void, names: Sequence[str]) -> None:
         """``record``: a block from :func:`pack`; ``names``: the scalar fields (pointers,
-        counts) that ``fill`` takes, in its argument order (``"f.q"`` for a field of the
+        counts) that ``fill_bytes`` takes, in its argument order (``"f.q"`` for a field of the
         nested block)."""
         self._bytes = record.tobytes()
         #: (byte offset, struct, argument positions) of each run of adjacent fields.
         self._runs: list[tuple[int, struct.Struct, list[int]]] = []
-        fields = sorted((_field_offset(record.dtype, name), _field_type(record.dtype, name), i)
-                        for i, name in enumerate(names))
+        fields = sorted((*_field(record.dtype, name), i) for i, name in enumerate(names))
         start = 0
         for n, (offset, field, _) in enumerate(fields):
             if n + 1 == len(fields) or fields[n + 1][0] != offset + field.itemsize:
@@ -154,8 +146,3 @@ class Template:
         for offset, packer, order in self._runs:
             packer.pack_into(buf, offset, *[values[i] for i in order])
         return buf
-
-    def fill(self, *values: Any) -> np.void:
-        """:meth:`fill_bytes` as an unstructured ``np.void``: a kernel argument that CuPy copies
-        whole, where it copies a structured scalar field by field (about 1 us a launch)."""
-        return np.void(bytes(self.fill_bytes(*values)))
