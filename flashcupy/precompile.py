@@ -98,7 +98,7 @@ def kernels_for(dtypes: Iterable[str], head_dims: Iterable[int], arch: int, smem
     """The kernels calls with these dtypes and head dims (D = Dv) select on a GPU of compute
     capability ``arch`` with ``smem_limit`` bytes of opt-in shared memory per block, for each
     score option set of ``scores`` (see :func:`precompile`): the forward, and with ``backward``
-    its three kernels.
+    its three kernels, and the tile maps of sets with masks.
     ``FLASHCUPY_FORCE_PORTABLE`` is honoured as in real calls. Where no kernel fits the
     GPU (such calls run on the CPU backend under ``backend='auto'``), the reason is
     appended to ``skipped``."""
@@ -113,10 +113,12 @@ def kernels_for(dtypes: Iterable[str], head_dims: Iterable[int], arch: int, smem
                     spec = select_forward(dtype, d, d, arch, smem_limit, allow_tf32, scores=score_set)
                     found.setdefault(("forward", spec.name_expression),
                                      Kernel("forward", spec.name_expression, spec.smem_bytes))
+                    for m in spec.tile_maps:
+                        found.setdefault(("forward", m.name), Kernel("forward", m.name, 0))
                     for deterministic in (False, True) if backward else ():
                         bspec = select_backward(dtype, d, d, arch, smem_limit, allow_tf32,
                                                 deterministic=deterministic, scores=score_set)
-                        for name, smem in bspec.kernels:
+                        for name, smem in (*bspec.kernels, *((m.name, 0) for m in bspec.tile_maps)):
                             found.setdefault(("backward", name), Kernel("backward", name, smem))
             except NoKernelError as exc:
                 if skipped is not None:

@@ -202,9 +202,10 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
     for (int n = 0; n < NC; ++n) dq[0][n][0] = dq[0][n][1] = dq[0][n][2] = dq[0][n][3] = Acc(0);
     const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
 
-    for (int j0 = lo - lo % BLOCK_C; j0 < hi; j0 += BLOCK_C) {
+    // Key tiles the masks leave some score in (every tile in range without masks).
+    for (int j0 = score.template next_live_tile<BLOCK_R, BLOCK_C>(i0, lo - lo % BLOCK_C, hi); j0 < hi;
+         j0 = score.template next_live_tile<BLOCK_R, BLOCK_C>(i0, j0 + BLOCK_C, hi)) {
         const int j1 = min(j0 + BLOCK_C, hi);
-        if (!score.live(i0, i0 + rows_valid, j0, j1)) continue;  // uniform
         __syncthreads();  // every warp is done with the previous K and V
         load_tile<T, BLOCK_C, HD, LD, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, j1 - j0, p.d);
         load_tile<T, BLOCK_C, HD, LD, THREADS>(sV, gV + j0 * p.v_sr, p.v_sr, j1 - j0, p.dv_stored);

@@ -33,6 +33,8 @@ struct Params {
     const i32* cu_seqlens_k;
     const i32* seqlens_q;  // (B) valid lengths of a padded batch; nullptr = all Lq
     const i32* seqlens_k;
+    i32* tiles;    // query-major tile map of the launch's tiles (score/tile_map.cuh); nullptr without masks
+    i32* tiles_t;  // key-major tile map of the dK/dV kernel's tiles; nullptr without masks or in the forward
     i64 q_sb, q_sh, q_sr;  // strides in elements: batch, head, row
     i64 k_sb, k_sh, k_sr;
     i64 v_sb, v_sh, v_sr;
@@ -42,6 +44,8 @@ struct Params {
     i64 bias_sb, bias_sh, bias_si, bias_sj;
     i64 bm_sb, bm_sh, bm_si, bm_sj;
     i64 alibi_sb, alibi_sh;
+    i64 tiles_sb, tiles_sh, tiles_so;  // the maps' plane (0 where every mask broadcasts) and outer-tile strides
+    i64 tt_sb, tt_sh, tt_so;
     u64 seed;             // Philox key = (seed mod 2^32, seed >> 32)
     double scale;              // softmax scale
     double softcap;            // the softcap (read where the kernel's ScoreMods has kModSoftcap)

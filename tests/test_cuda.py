@@ -462,6 +462,56 @@ def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
     _check_backward(case)
 
 
+def _structured_mask(rs: np.random.Generator, kind: str, shape: tuple[int, ...], tile: int) -> np.ndarray:
+    """A boolean mask of ``shape`` (..., Lq, Lk) whose tiles are often all masked: "documents"
+    (block diagonal, each query and key in one of a few segments), "tiles" (random
+    (tile, tile) squares masked, the rest kept with probability 0.9) or "padding" (each
+    broadcast row keeps a random prefix of keys, possibly none)."""
+    lq, lk = shape[-2:]
+    if kind == "documents":
+        docs = rs.integers(1, 5)
+        q_doc = np.sort(rs.integers(0, docs, lq))
+        k_doc = np.sort(rs.integers(0, docs, lk))
+        return np.broadcast_to(q_doc[:, None] == k_doc[None, :], shape).copy()
+    if kind == "tiles":
+        mask = rs.random(shape) < 0.9
+        dead = rs.random(shape[:-2] + (-(-lq // tile), -(-lk // tile))) < 0.5
+        return mask & ~np.repeat(np.repeat(dead, tile, -2), tile, -1)[..., :lq, :lk]
+    keep = rs.integers(0, lk + 1, shape[:-1])
+    return np.arange(lk) < keep[..., None]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
+@given(data=st.data())
+@settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)
+def test_masks_with_dead_tiles_match_reference(dtype, data) -> None:
+    """Masks that rule out whole tiles at every granularity (score/tile_map.cuh's maps: the
+    forward's and the dQ kernel's query-major walk, the dK/dV kernel's key-major one over a
+    GQA group): block-diagonal documents, random dead squares and key padding, every
+    broadcast shape, with a block mask, the band and lengths; forward and backward, fused dQ
+    and deterministic."""
+    b, (hq, hk) = 2, data.draw(st.sampled_from([(2, 1), (4, 2), (2, 2)]), label="heads")
+    lq = data.draw(st.sampled_from([1, 17, 64, 100, 257, 513]), label="lq")
+    lk = data.draw(st.sampled_from([1, 31, 64, 130, 257, 600]), label="lk")
+    d = data.draw(st.sampled_from([32, 64, 128]), label="d")
+    rs = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="values"))
+    kind = data.draw(st.sampled_from(["documents", "tiles", "padding"]), label="kind")
+    shapes = [(b, 1, 1, lk)] if kind == "padding" else [(lq, lk), (hq, lq, lk), (b, 1, lq, lk), (b, hq, lq, lk)]
+    shape = data.draw(st.sampled_from(shapes), label="shape")
+    options: dict = {"mask": _structured_mask(rs, kind, shape, data.draw(st.sampled_from([16, 32, 64, 128])))}
+    if data.draw(st.booleans(), label="block_mask"):
+        options["block_size"] = data.draw(st.sampled_from([16, 64]), label="block_size")
+        blocks = (-(-lq // options["block_size"]), -(-lk // options["block_size"]))
+        options["block_mask"] = rs.random((b, 1) + blocks) < 0.6
+    if data.draw(st.booleans(), label="band"):
+        options.update(data.draw(st.sampled_from([{"causal": True}, {"causal": "top_left"}, {"window": (40, 3)}])))
+    if data.draw(st.booleans(), label="lengths"):
+        options["q_lengths"], options["kv_lengths"] = np.array([lq, lq // 2]), np.array([lk // 3, lk])
+    case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=dtype, **options)
+    _check_forward(case)
+    _check_backward(case, deterministic=data.draw(st.booleans(), label="deterministic"))
+
+
 @pytest.mark.parametrize("dtype", [F32, F64])
 @pytest.mark.parametrize("shape, options", [
     ((2, 3, 3, 333, 290, 128, 128), {}),

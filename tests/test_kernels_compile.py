@@ -187,15 +187,19 @@ def kernels(family: str, arch: int) -> list[Kernel]:
     """Every kernel the dispatcher can launch on ``arch`` for a source family, each once."""
     from flashcupy.cuda.spec import all_backward_specs, all_forward_specs
 
-    if family == "forward":
-        return [Kernel(s.name_expression, s.policy, "flash::Params", s.head_dim, s.dtype, s.full)
-                for s in all_forward_specs(arch)]
     unique = {}
+    if family == "forward":
+        for s in all_forward_specs(arch):
+            unique[s.name_expression] = Kernel(s.name_expression, s.policy, "flash::Params", s.head_dim, s.dtype,
+                                               s.full)
+            unique.update({m.name: Kernel(m.name, "none", "flash::Params", 0, "none", True) for m in s.tile_maps})
+        return sorted(unique.values())
     for s in all_backward_specs(arch):
         for name, _ in s.kernels:  # the delta kernel and the dQ converter have no matrix products
             products = not name.startswith(("flash::flash_bwd_delta<", "flash::flash_bwd_dq_convert<"))
             unique[name] = Kernel(name, s.policy if products else "none", "flash::BwdParams", s.head_dim, s.dtype,
                                   s.full)
+        unique.update({m.name: Kernel(m.name, "none", "flash::BwdParams", 0, "none", True) for m in s.tile_maps})
     return sorted(unique.values())
 
 

@@ -21,8 +21,8 @@ from . import params as P
 from .compile import get_function
 from .compile import launch as launch_block
 from .spec import (
-    ROW_PASS_ROWS, ROW_PASS_THREADS, BackwardSpec, KernelSpec, ScoreSet, backward_key_block_major, select_backward,
-    select_forward,
+    ROW_PASS_ROWS, ROW_PASS_THREADS, TILE_MAP_THREADS, BackwardSpec, KernelSpec, ScoreSet, TileMap, backward_key_block_major,
+    select_backward, select_forward,
 )
 
 #: Fill outputs with NaN before each launch (tests set it) so unwritten elements show.
@@ -147,6 +147,40 @@ class Launch(NamedTuple):
     smem_bytes: int
 
 
+def _mask_planes(pb: Problem) -> tuple[int, int]:
+    """(batch planes, head planes) of a problem's tile maps: one on an axis every mask (mask,
+    block_mask: views of shape (*batch, Hq, ...)) broadcasts over."""
+    masks = [x for x in (pb.mask, pb.block_mask) if x is not None]
+    nb = len(pb.batch)
+    per_batch = any(n > 1 and s != 0 for x in masks for n, s in zip(x.shape[:nb], x.strides[:nb]))
+    per_head = any(x.shape[nb] > 1 and x.strides[nb] != 0 for x in masks)
+    return (math.prod(pb.batch) if per_batch else 1), (pb.num_heads_q if per_head else 1)
+
+
+def _map_launch(pb: Problem, family: str, tile_map: TileMap) -> Launch:
+    planes_b, planes_h = _mask_planes(pb)
+    return Launch(f"{family} tile map", family, tile_map.name,
+                  _grid(tile_map.outer_tiles(pb.seqlen_q, pb.seqlen_k), planes_b * planes_h), TILE_MAP_THREADS, 0)
+
+
+def _tile_map_fields(pb: Problem, maps: tuple[TileMap, ...], xp) -> tuple[dict[str, int], list]:
+    """Params fields of the tile maps a call's kernels walk (score/tile_map.cuh: ``tiles`` for
+    the query-major one, ``tiles_t`` for the key-major one), and the maps' device arrays,
+    uninitialised: their launches fill them first."""
+    planes_b, planes_h = _mask_planes(pb)
+    fields, arrays = {}, []
+    for m in maps:
+        inner = m.inner_tiles(pb.seqlen_q, pb.seqlen_k)
+        outer = m.outer_tiles(pb.seqlen_q, pb.seqlen_k)
+        arrays.append(xp.empty((planes_b, planes_h, outer, inner), dtype=xp.int32))
+        name, prefix = ("tiles_t", "tt") if m.key_major else ("tiles", "tiles")
+        fields[name] = arrays[-1].data.ptr
+        fields[f"{prefix}_sb"] = planes_h * outer * inner if planes_b > 1 else 0
+        fields[f"{prefix}_sh"] = outer * inner if planes_h > 1 else 0
+        fields[f"{prefix}_so"] = inner
+    return fields, arrays
+
+
 def forward_row_blocks(pb: Problem, spec: KernelSpec) -> int:
     """The forward's row blocks per Dv chunk: grid x is row blocks (fastest) x chunks, and the
     kernel reads this count from Params.row_blocks."""
@@ -160,7 +194,8 @@ def forward_launches(pb: Problem, spec: KernelSpec) -> list[Launch]:
     blocks = forward_row_blocks(pb, spec) * -(-pb.head_dim_v // spec.dv_tile)
     if not (heads and blocks):
         return []
-    return [Launch("forward", "forward", spec.name_expression, _grid(blocks, heads), spec.threads, spec.smem_bytes)]
+    return [*(_map_launch(pb, "forward", m) for m in spec.tile_maps),
+            Launch("forward", "forward", spec.name_expression, _grid(blocks, heads), spec.threads, spec.smem_bytes)]
 
 
 def dq_is_accumulator(pb: Problem, spec: BackwardSpec) -> bool:
@@ -185,7 +220,7 @@ def backward_launches(pb: Problem, spec: BackwardSpec) -> list[Launch]:
     rows = _grid(-(-pb.seqlen_q // ROW_PASS_ROWS), heads)
     key_blocks, dq_row_blocks = backward_blocks(pb, spec)
     (delta_name, _), (dkdv_name, dkdv_smem), (dq_name, dq_smem) = spec.kernels
-    out = []
+    out = [_map_launch(pb, "backward", m) for m in spec.tile_maps] if heads and pb.seqlen_q and pb.seqlen_k else []
     if heads and pb.seqlen_q:
         out.append(Launch("backward delta", "backward", delta_name, rows, ROW_PASS_THREADS, 0))
     if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros
@@ -207,12 +242,15 @@ def _run(launch: Launch, device_id: int, block: bytearray) -> None:
                  launch.threads, block, launch.smem_bytes)
 
 
-def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0) -> tuple[np.void, list]:
+def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0,
+                    maps: tuple[TileMap, ...] = ()) -> tuple[np.void, list]:
     """The Params block of a problem whose operands (from :func:`_rows`) and output (merged)
     are given, and the device arrays it points into that must outlive the launch;
-    ``row_blocks``: the forward's (:func:`forward_row_blocks`), 0 for the backward."""
+    ``row_blocks``: the forward's (:func:`forward_row_blocks`), 0 for the backward; ``maps``:
+    the tile maps its kernels walk (the spec's ``tile_maps``)."""
     fields: dict[str, Any] = _rows_fields(pb, {"q": q, "k": k, "v": v, "o": out})
-    keep_alive = []  # device copies the launch reads; CuPy reuses freed memory only for later work
+    map_fields, keep_alive = _tile_map_fields(pb, maps, xp)  # keep_alive: device arrays the launches read
+    fields.update(map_fields)
     if pb.varlen:
         fields["lse_sh"] = _elem_strides(lse)[0]
         for name in ("cu_seqlens_q", "cu_seqlens_k"):
@@ -340,7 +378,7 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         else:
             q, k, v = _operands(pb, xp)
             params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp,
-                                                 row_blocks=forward_row_blocks(pb, spec))
+                                                 row_blocks=forward_row_blocks(pb, spec), maps=spec.tile_maps)
             launches = forward_launches(pb, spec)
             if key is not None and _same_memory((q, k, v), operands):
                 _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS), launches)
@@ -413,7 +451,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         else:
             q, k, v = _operands(pb, xp)
             dout, out = _rows(pb, dout, xp), _rows(pb, out, xp)
-            params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp)
+            params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp, maps=spec.tile_maps)
             fields = _rows_fields(pb, {"do": dout, "out": out, **{n: _merged(pb, g, xp) for n, g in grads.items()}})
             if bias_grad:
                 dbias_view, finish_dbias = _dbias_buffer(pb, deterministic, xp)

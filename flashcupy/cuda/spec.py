@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -72,6 +72,9 @@ ARCH_SMEM = {75: 64 * 1024, 80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 22
 ROW_PASS_THREADS = 128
 ROW_PASS_ROWS = 16
 
+#: Threads per block of flash::tile_map (kernels_cu/score/tile_map.cuh; its THREADS).
+TILE_MAP_THREADS = 256
+
 
 #: The score options a kernel is compiled for, in flash::ScoreMod's order
 #: (kernels_cu/score/modifiers.cuh), each named there as kMod + its CamelCase name.
@@ -111,6 +114,11 @@ class ScoreSet:
         return bool(self.mods)
 
     @property
+    def masks(self) -> bool:
+        """A mask or block mask (flash::ScoreMods::kMasks): the kernels walk a tile map."""
+        return "mask" in self.mods or "block_mask" in self.mods
+
+    @property
     def cxx(self) -> str:
         """The C++ type: flash::ScoreMods<bits, bias type>, or flash::PlainScores."""
         if not self.mods:
@@ -122,6 +130,36 @@ class ScoreSet:
         if not self.mods:
             return "PlainScores"
         return "ScoreMods: " + ", ".join(f"bias ({self.bias_dtype})" if m == "bias" else m for m in self.mods)
+
+
+class TileMap(NamedTuple):
+    """One ``flash::tile_map`` launch (kernels_cu/score/tile_map.cuh) a kernel with masks needs
+    before it: for tiles of ``rows`` queries and ``cols`` keys, query-major (the forward's and
+    the dQ kernel's row blocks walking key tiles) or ``key_major`` (the dK/dV kernel's key
+    blocks walking query tiles). The tiles are the kernel's own, from its spec; ``backward``:
+    launched with the backward's parameter block (flash::BwdParams)."""
+
+    rows: int
+    cols: int
+    key_major: bool
+    scores: ScoreSet
+    backward: bool
+
+    @property
+    def name(self) -> str:
+        """The name expression of the map kernel."""
+        flag = lambda b: "true" if b else "false"  # noqa: E731
+        return (f"flash::tile_map<{self.rows}, {self.cols}, {flag(self.key_major)}, "
+                f"{flag('mask' in self.scores.mods)}, {flag('block_mask' in self.scores.mods)}, {TILE_MAP_THREADS}, "
+                f"flash::{'BwdParams' if self.backward else 'Params'}>")
+
+    def outer_tiles(self, lq: int, lk: int) -> int:
+        """Outer tiles (grid x) of an (lq, lk) frame: row tiles, or key tiles when key-major."""
+        return -(-lk // self.cols) if self.key_major else -(-lq // self.rows)
+
+    def inner_tiles(self, lq: int, lk: int) -> int:
+        """Map entries per outer tile: key tiles, or query tiles when key-major."""
+        return -(-lq // self.rows) if self.key_major else -(-lk // self.cols)
 
 
 def score_tile_bytes(scores: ScoreSet, rows: int, cols: int) -> int:
@@ -207,6 +245,11 @@ class KernelSpec:
             policy = POLICIES[self.policy](t, self.mi)
             mainloop = f"flash::FwdSerial<{t}, {policy}, {tiles}, {self.num_warps}, {self.stages}>"
         return f"flash::flash_fwd<{mainloop}, {self.scores.cxx}, {self.smem_bytes}, {self.threads}>"
+
+    @property
+    def tile_maps(self) -> tuple[TileMap, ...]:
+        """The tile map the kernel walks where masks are compiled in (launched before it)."""
+        return (TileMap(self.block_m, self.block_n, False, self.scores, False),) if self.scores.masks else ()
 
     @functools.cached_property
     def smem_bytes(self) -> int:
@@ -374,6 +417,16 @@ class BackwardSpec:
     @property
     def smem_bytes(self) -> int:
         return max(self.dq_smem_bytes, self.dkdv_smem_bytes)
+
+    @property
+    def tile_maps(self) -> tuple[TileMap, ...]:
+        """The tile maps the kernels walk where masks are compiled in (launched before them):
+        the dK/dV kernel's key-major one (block_r keys a block, query tiles of block_c) and,
+        unfused, the dQ kernel's query-major one (block_r queries, key tiles of block_c)."""
+        if not self.scores.masks:
+            return ()
+        dkdv = TileMap(self.block_c, self.block_r, True, self.scores, True)
+        return (dkdv,) if self.fused_dq else (dkdv, TileMap(self.block_r, self.block_c, False, self.scores, True))
 
     @functools.cached_property
     def kernels(self) -> tuple[tuple[str, int], ...]:
@@ -805,8 +858,12 @@ def all_backward_specs(arch: int) -> list[BackwardSpec]:
 def all_kernels(arch: int) -> list[tuple[str, str, int]]:
     """(source family, name expression, dynamic shared memory) of every kernel the dispatcher
     can launch on ``arch``, forward and backward, each once."""
-    kernels = {s.name_expression: ("forward", s.name_expression, s.smem_bytes) for s in all_forward_specs(arch)}
+    kernels = {}
+    for s in all_forward_specs(arch):
+        kernels[s.name_expression] = ("forward", s.name_expression, s.smem_bytes)
+        kernels.update({("forward", m.name): ("forward", m.name, 0) for m in s.tile_maps})
     for s in all_backward_specs(arch):
         for name, smem in s.kernels:
             kernels[name] = ("backward", name, smem)
+        kernels.update({("backward", m.name): ("backward", m.name, 0) for m in s.tile_maps})
     return sorted(kernels.values())

@@ -276,19 +276,14 @@ struct BwdKeyBlock {
     __device__ __forceinline__ HeadView query_head(int hq) const { return head_view(p, b * p.hq + hk * group + hq); }
 
     // Moves (hq, i0) to the next query tile with a live score (hq == group: none left). Only
-    // masks rule out whole tiles.
+    // masks rule out whole tiles, as the call's key-major tile map says (score/tile_map.cuh).
     template <typename Set>
     __device__ __forceinline__ void advance(int& hq, int& i0) const {
         while (hq < group) {
-            if (i0 < i_hi) {
-                if constexpr (!Set::kMasks) return;  // no mask: every tile in range is live
-                const HeadView hv = query_head(hq);
-                if (tile_live<Set::kMods>(p, hv, i0, min(i0 + BLOCK_C, i_hi), j0, j0 + max(keys_valid, 1))) return;  // uniform
-                i0 += BLOCK_C;
-            } else {
-                ++hq;
-                i0 = i_first;
-            }
+            if constexpr (Set::kMasks) i0 = next_live_query_tile<BLOCK_C, BLOCK_R>(p, query_head(hq), j0, i0, i_hi);
+            if (i0 < i_hi) return;
+            ++hq;
+            i0 = i_first;
         }
     }
 

@@ -42,26 +42,27 @@ struct FwdBlock {
 // band test: Scores::keep4's lane pairs need tiles at multiples of 8, and 16-byte tile copies
 // stay aligned), skipping tiles the score modifiers rule out, and their copies into shared
 // memory: K with the tile's staged score operands (Staged, score/tiles.cuh), and V.
-template <typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc, typename Staged>
+template <typename KTile, typename VTile, int BLOCK_M, int BLOCK_N, int THREADS, typename T, typename Sc,
+          typename Staged>
 struct KeyTiles {
     const Params& p;  // strides and head dims read where used: fewer registers held across the loop
     const Sc& scores;
     const Staged& staged;
-    int i0, i1, lo, hi;
+    int i0, lo, hi;
     const T* gK;
     const T* gV;
     int dv_load;
 
     __device__ __forceinline__ KeyTiles(const FwdBlock<T>& b, const Sc& scores_, const Staged& staged_)
-        : p(b.p), scores(scores_), staged(staged_), i0(b.i0), i1(b.i1), lo(b.lo), hi(b.hi), gK(b.gK), gV(b.gV),
+        : p(b.p), scores(scores_), staged(staged_), i0(b.i0), lo(b.lo), hi(b.hi), gK(b.gK), gV(b.gV),
           dv_load(b.dv_load) {}
 
     __device__ __forceinline__ int first() const {
-        return scores.template next_live_tile<BLOCK_N>(i0, i1, lo - lo % BLOCK_N, hi);
+        return scores.template next_live_tile<BLOCK_M, BLOCK_N>(i0, lo - lo % BLOCK_N, hi);
     }
     // The live key tile after tile j, or hi when there is none (j >= hi included).
     __device__ __forceinline__ int next(int j) const {
-        return j < hi ? scores.template next_live_tile<BLOCK_N>(i0, i1, j + BLOCK_N, hi) : hi;
+        return j < hi ? scores.template next_live_tile<BLOCK_M, BLOCK_N>(i0, j + BLOCK_N, hi) : hi;
     }
     // Copies of key tile j of K or V into the tile at s (keys past hi zero-filled, nothing
     // when j >= hi); with K, the tile's score operands into stage `stage`.
@@ -78,12 +79,12 @@ struct KeyTiles {
 
 // Copies the block's Q rows into sQ (QTile's layout; the caller commits the cp.async group)
 // and returns the block's key tiles.
-template <typename QTile, typename KTile, typename VTile, int BLOCK_N, int THREADS, typename T, typename Sc,
-          typename Staged>
-__device__ __forceinline__ KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc, Staged> start_tiles(
+template <typename QTile, typename KTile, typename VTile, int BLOCK_M, int BLOCK_N, int THREADS, typename T,
+          typename Sc, typename Staged>
+__device__ __forceinline__ KeyTiles<KTile, VTile, BLOCK_M, BLOCK_N, THREADS, T, Sc, Staged> start_tiles(
     T* sQ, const FwdBlock<T>& b, const Sc& scores, const Staged& staged) {
     QTile::template load<THREADS>(sQ, b.gQ + b.i0 * b.p.q_sr, b.p.q_sr, b.rows_valid, b.p.d);
-    return KeyTiles<KTile, VTile, BLOCK_N, THREADS, T, Sc, Staged>(b, scores, staged);
+    return KeyTiles<KTile, VTile, BLOCK_M, BLOCK_N, THREADS, T, Sc, Staged>(b, scores, staged);
 }
 
 // S = Q K^T for the calling warp's rows with the policy's own product, ready to read: a

@@ -48,7 +48,7 @@ struct FwdOverlap {
         T* sQ = storage.q;
         T* sK = storage.k[0];
         T* sV = storage.v[0];
-        const auto tiles = start_tiles<QTile, KTile, VTile, BLOCK_N, kThreads>(sQ, b, scores, staged);
+        const auto tiles = start_tiles<QTile, KTile, VTile, kBlockM, BLOCK_N, kThreads>(sQ, b, scores, staged);
         const int j0 = tiles.first();
         const int hi = b.hi;
         const int j1 = tiles.next(j0);

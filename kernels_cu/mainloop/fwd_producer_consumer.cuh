@@ -213,7 +213,7 @@ struct FwdProducerConsumer {
     static __device__ __forceinline__ bool run(SharedStorage& storage, const FwdBlock<float>& b, const Sc& scores,
                                                const Staged&, Softmax& softmax, float (&o)[1][DV / 8][4]) {
         static_assert(!Sc::kFull && !Staged::kAny, "the consumer's softmax takes PlainScores only");
-        const int j0 = scores.template next_live_tile<BLOCK_N>(b.i0, b.i1, b.lo - b.lo % BLOCK_N, b.hi);
+        const int j0 = scores.template next_live_tile<kBlockM, BLOCK_N>(b.i0, b.lo - b.lo % BLOCK_N, b.hi);
         if (b.warp >= kConsumerThreads / 32) {  // the producer warpgroup
             produce_tf32x3<HD, DV, BLOCK_N, kConsumerThreads>(storage, b.p, b.gQ + b.i0 * b.p.q_sr, b.rows_valid, b.gK,
                                                                b.gV, b.dv_load, j0, b.hi);

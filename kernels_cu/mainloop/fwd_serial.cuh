@@ -52,7 +52,7 @@ struct FwdSerial {
         T* sQ = storage.q;
         T* sK = storage.k[0];
         T* sV = storage.v[0];
-        const auto tiles = start_tiles<QTile, KTile, VTile, BLOCK_N, kThreads>(sQ, b, scores, staged);
+        const auto tiles = start_tiles<QTile, KTile, VTile, kBlockM, BLOCK_N, kThreads>(sQ, b, scores, staged);
         int j0 = tiles.first();
         const int hi = b.hi;
         int j_pre = hi;  // STAGES = 2: the tile in flight to the other stage

@@ -1,6 +1,6 @@
 // The score options of docs/semantics.md, shared by every attention kernel:
-//   s = scale * q.k -> softcap -> + bias + ALiBi -> -inf where any mask says no,
-// plus the per-tile test that lets a kernel skip key tiles no score survives in.
+//   s = scale * q.k -> softcap -> + bias + ALiBi -> -inf where any mask says no
+// (which tiles the masks leave nothing in: score/tile_map.cuh).
 //
 // A kernel is compiled for the exact set of options its call uses (ScoreMods: a bit per
 // option and the bias' element type), so each option costs its arithmetic and nothing else:
@@ -44,40 +44,6 @@ struct ScoreMods {
     static_assert(((MODS & kModBias) != 0) == !kIsVoid<B>, "a bias type exactly when the bias bit is set");
 };
 using PlainScores = ScoreMods<0>;
-
-// Does some score of tile [i0, i1) x [j0, j1) survive block_mask and mask? Called by every
-// thread of the block (it ends in a barrier); the caller then skips the tile entirely.
-template <unsigned MODS>
-__device__ __forceinline__ bool tile_live(const Params& p, const HeadView& hv, int i0, int i1, int j0, int j1) {
-    bool live = true;
-    if constexpr ((MODS & kModBlockMask) != 0) {
-        const int bs = p.block_size;
-        const int bi0 = i0 / bs, bi1 = (i1 - 1) / bs, bj0 = j0 / bs, bj1 = (j1 - 1) / bs;
-        const int nbj = bj1 - bj0 + 1;
-        const int count = (bi1 - bi0 + 1) * nbj;
-        const bool* base = p.block_mask + hv.b * p.bm_sb + hv.h * p.bm_sh;
-        bool any = false;
-        for (int t = threadIdx.x; t < count; t += blockDim.x) {
-            const int bi = bi0 + t / nbj, bj = bj0 + t % nbj;
-            any |= base[bi * p.bm_si + bj * p.bm_sj];
-        }
-        live = __syncthreads_or(any) != 0;
-    }
-    if constexpr ((MODS & kModMask) != 0) {
-        if (live) {
-            const int cols = j1 - j0;
-            const int count = (i1 - i0) * cols;
-            const bool* base = p.mask + hv.b * p.mask_sb + hv.h * p.mask_sh;
-            bool any = false;
-            for (int t = threadIdx.x; t < count && !any; t += blockDim.x) {
-                const int i = i0 + t / cols, j = j0 + t % cols;
-                any |= base[i * p.mask_si + j * p.mask_sj];
-            }
-            live = __syncthreads_or(any) != 0;
-        }
-    }
-    return live;
-}
 
 // Everything a thread needs to turn raw products q.k into log2-domain scores under the
 // option set Set (a ScoreMods).

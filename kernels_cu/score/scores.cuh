@@ -10,8 +10,8 @@
 //                path of its own.
 //
 // What a mainloop asks of it:
-//   tile predicates   live(i0, i1, j0, j1): some score of the tile survives block_mask and mask
-//                     (the tile is skipped otherwise); kMasks: no tile is a fast one (every
+//   tile walk         next_live_tile(i0, j, hi): the next key tile some score survives the
+//                     masks in (the tiles between are skipped); kMasks: no tile is a fast one (every
 //                     tile reads the masks); a tile without masks, whole and crossing no band
 //                     edge, needs no selection: values() and nothing else;
 //   forward transform masked_tile(s, ..., select, ops): raw products -> log2-domain scores,
@@ -29,6 +29,7 @@
 #include "../bwd_params.cuh"
 #include "../philox.cuh"
 #include "modifiers.cuh"
+#include "tile_map.cuh"
 
 namespace flash {
 
@@ -42,19 +43,12 @@ struct Scores {
 
     __device__ __forceinline__ Scores(const Params& p_, const HeadView& hv_) : p(p_), hv(hv_), op(p_, hv_) {}
 
-    // Does some score of tile [i0, i1) x [j0, j1) survive block_mask and mask? Every thread
-    // of the block calls it (it ends in a barrier where a mask is present).
-    __device__ __forceinline__ bool live(int i0, int i1, int j0, int j1) const {
-        if constexpr (kMasks) return tile_live<kMods>(p, hv, i0, i1, j0, j1);
-        return true;
-    }
-
-    // The first key tile at or after j (below hi) that some score of rows [i0, i1) survives in.
-    template <int BLOCK_N>
-    __device__ __forceinline__ int next_live_tile(int i0, int i1, int j, int hi) const {
-        if constexpr (kMasks) {
-            while (j < hi && !tile_live<kMods>(p, hv, i0, i1, j, min(j + BLOCK_N, hi))) j += BLOCK_N;
-        }
+    // The first key tile at or after j (a multiple of BLOCK_N) below hi that some score of
+    // the query tile from i0 (a multiple of BLOCK_M) survives the masks in, or hi: the call's
+    // tile map (score/tile_map.cuh) where masks are compiled in, else j itself.
+    template <int BLOCK_M, int BLOCK_N>
+    __device__ __forceinline__ int next_live_tile(int i0, int j, int hi) const {
+        if constexpr (kMasks) return next_live_key_tile<BLOCK_M, BLOCK_N>(p, hv, i0, j, hi);
         return j;
     }
 

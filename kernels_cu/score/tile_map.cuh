@@ -1,0 +1,161 @@
+// Which score tiles a boolean mask or block mask leaves some score in, worked out once a call.
+//
+// A mainloop skips the tiles the masks rule out entirely. Testing a tile's mask elements
+// when the mainloop reaches it costs a global round trip and a block barrier per tile (every
+// thread's share of the test must be in), on the critical path of every tile the block
+// computes. Instead tile_map reads the masks once before the attention kernel and writes, for
+// each (batch, head) plane, each of a kernel's own tiles of rows (the outer tiles) and each
+// tile along the axis its mainloop walks (the inner tiles), the first position at or after
+// that tile's whose tile some score survives in: the mainloop's step to its next tile is then
+// one uniform load.
+//
+//   query-major (Params::tiles): outer tiles of TI queries (the forward's and the dQ kernel's
+//     row blocks), inner tiles of TJ keys; entry = first key of the next live key tile.
+//   key-major (Params::tiles_t): outer tiles of TJ keys (the dK/dV kernel's key blocks),
+//     inner tiles of TI queries; entry = first query of the next live query tile.
+//
+// Map element (b, h, o, n) at b * s_b + h * s_h + o * s_o + n, with zero strides on the axes
+// every mask broadcasts over. An entry is a multiple of the inner tile; where no tile at or
+// after n is live it is the inner axis' length rounded up to whole tiles, which is at least
+// every kernel's end of range (hi <= kv_len <= lk; i_hi <= q_len <= lq). The tiles cover the
+// (lq, lk) frame: a padded batch's rows past q_len or keys past kv_len may make a tile live
+// that computes to nothing, never the reverse.
+#pragma once
+
+#include "../bwd_params.cuh"
+#include "band.cuh"
+
+namespace flash {
+
+constexpr int kTileMapChunk = 1024;  // inner tiles classified per pass (shared-memory flags)
+
+// Does the mask (where MASK) and the block mask (where BLOCK_MASK) keep some score of rows
+// [i0, i1) x keys [j0, j1) of plane (b, h)? Every lane of the calling warp calls it and gets
+// the answer.
+template <bool MASK, bool BLOCK_MASK>
+__device__ __forceinline__ bool tile_kept_any(const Params& p, int b, int h, int i0, int i1, int j0, int j1) {
+    const int lane = threadIdx.x & 31;
+    if constexpr (!MASK) {
+        // The block mask alone: one read per (block_size, block_size) block the tile touches.
+        const int bs = p.block_size;
+        const int bi0 = i0 / bs, bj0 = j0 / bs, nbj = (j1 - 1) / bs - bj0 + 1;
+        const int count = ((i1 - 1) / bs - bi0 + 1) * nbj;
+        const bool* base = p.block_mask + b * p.bm_sb + h * p.bm_sh;
+        for (int t0 = 0; t0 < count; t0 += 32) {  // warp-uniform trips: the vote needs every lane
+            const int t = t0 + lane;
+            const bool any = t < count && base[(bi0 + t / nbj) * p.bm_si + (bj0 + t % nbj) * p.bm_sj];
+            if (__any_sync(0xffffffffu, any)) return true;
+        }
+        return false;
+    } else {
+        const bool* m = p.mask + b * p.mask_sb + h * p.mask_sh;
+        const bool* bm = BLOCK_MASK ? p.block_mask + b * p.bm_sb + h * p.bm_sh : nullptr;
+        const int cols = j1 - j0;
+        // 16 keys a load where rows are contiguous and 16-byte aligned (the staged copies' own
+        // requirement, which flashcupy/cuda's _score_operand establishes) and j0 is a multiple
+        // of 16 (every tile is); the block mask then needs a read per key: element by element.
+        const bool vec = !BLOCK_MASK && p.mask_sj == 1 && p.mask_si % 16 == 0 && (reinterpret_cast<u64>(m) & 15) == 0
+                         && j0 % 16 == 0;
+        const int chunks = vec ? (cols + 15) / 16 : cols;
+        const int count = (i1 - i0) * chunks;
+        for (int t0 = 0; t0 < count; t0 += 32) {
+            const int t = t0 + lane;
+            bool any = false;
+            if (t < count) {
+                const int i = i0 + t / chunks, c = t % chunks;
+                const bool* row = m + i * p.mask_si;
+                if (vec) {
+                    const int j = j0 + 16 * c;
+                    if (j + 16 <= j1) {
+                        const uint4 w = *reinterpret_cast<const uint4*>(row + j);  // bytes 0 or 1
+                        any = (w.x | w.y | w.z | w.w) != 0;
+                    } else {
+                        for (int e = j; e < j1; ++e) any |= row[e];
+                    }
+                } else {
+                    const int j = j0 + c;
+                    any = row[j * p.mask_sj];
+                    if constexpr (BLOCK_MASK) any &= bm[(i / p.block_size) * p.bm_si + (j / p.block_size) * p.bm_sj];
+                }
+            }
+            if (__any_sync(0xffffffffu, any)) return true;
+        }
+        return false;
+    }
+}
+
+// The forward problem of a launch's parameter block.
+__device__ __forceinline__ const Params& problem_of(const Params& p) { return p; }
+__device__ __forceinline__ const Params& problem_of(const BwdParams& bp) { return bp.f; }
+
+// Writes the map of Params::tiles (query-major: outer tiles of TI queries, inner tiles of TJ
+// keys) or, KEY_MAJOR, of Params::tiles_t (outer tiles of TJ keys, inner tiles of TI queries).
+// Block: the launch's parameter block (Params, or the backward's BwdParams, whose launches share
+// one block); THREADS threads a block (the host's launch); grid: x = outer tiles, planes over y and z (plane = (b, h) with h fastest; the host's grid
+// covers the map's planes: one per axis a mask does not broadcast over). Each warp classifies
+// inner tiles in turn; warp 0 then turns the flags into next-live positions from the last
+// tile back, 32 at a time.
+template <int TI, int TJ, bool KEY_MAJOR, bool MASK, bool BLOCK_MASK, int THREADS, typename Block>
+__global__ void __launch_bounds__(THREADS) tile_map(const Block block) {
+    const Params& p = problem_of(block);
+    static_assert(MASK || BLOCK_MASK, "a map is built from some mask");
+    static_assert(THREADS % 32 == 0, "whole warps");
+    constexpr int kWarps = THREADS / 32;
+    constexpr int INNER = KEY_MAJOR ? TI : TJ;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    i32* const map = KEY_MAJOR ? p.tiles_t : p.tiles;
+    const i64 s_b = KEY_MAJOR ? p.tt_sb : p.tiles_sb, s_h = KEY_MAJOR ? p.tt_sh : p.tiles_sh;
+    const i64 s_o = KEY_MAJOR ? p.tt_so : p.tiles_so;
+    const int planes_h = s_h != 0 ? p.hq : 1;
+    const int plane = blockIdx.y + gridDim.y * blockIdx.z;
+    const int b = plane / planes_h, h = plane - b * planes_h;
+    if (b >= (s_b != 0 ? p.batch : 1)) return;
+    const int o = blockIdx.x;
+    const int outer_len = KEY_MAJOR ? p.lk : p.lq, inner_len = KEY_MAJOR ? p.lq : p.lk;
+    const int outer0 = o * (KEY_MAJOR ? TJ : TI), outer1 = min(outer0 + (KEY_MAJOR ? TJ : TI), outer_len);
+    const int tiles = (inner_len + INNER - 1) / INNER;
+    i32* row = map + b * s_b + h * s_h + o * s_o;
+
+    __shared__ bool live[kTileMapChunk];
+    int next = tiles * INNER;  // warp 0: the first live position after the chunk being written
+    for (int c0 = (tiles - 1) / kTileMapChunk * kTileMapChunk; c0 >= 0; c0 -= kTileMapChunk) {
+        const int c1 = min(c0 + kTileMapChunk, tiles);
+        for (int n = c0 + warp; n < c1; n += kWarps) {
+            const int in0 = n * INNER, in1 = min(in0 + INNER, inner_len);
+            const bool any = KEY_MAJOR ? tile_kept_any<MASK, BLOCK_MASK>(p, b, h, in0, in1, outer0, outer1)
+                                       : tile_kept_any<MASK, BLOCK_MASK>(p, b, h, outer0, outer1, in0, in1);
+            if (lane == 0) live[n - c0] = any;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            for (int base = c0 + (c1 - 1 - c0) / 32 * 32; base >= c0; base -= 32) {
+                const int n = base + lane;
+                const unsigned bits = __ballot_sync(0xffffffffu, n < c1 && live[n - c0]);
+                const unsigned here_or_after = bits & (0xffffffffu << lane);  // live tiles from n in this group
+                if (n < c1) row[n] = here_or_after != 0 ? (base + __ffs(here_or_after) - 1) * INNER : next;
+                if (bits != 0) next = (base + __ffs(bits) - 1) * INNER;
+            }
+        }
+        __syncthreads();  // the flags are read before the next pass overwrites them
+    }
+}
+
+// The first key tile (of BLOCK_N keys) at or after key j (a multiple of BLOCK_N) below hi that
+// some score of query tile i0 (a multiple of BLOCK_M) survives the masks in, or hi.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ int next_live_key_tile(const Params& p, const HeadView& hv, int i0, int j, int hi) {
+    if (j >= hi) return hi;
+    const i32* row = p.tiles + hv.b * p.tiles_sb + hv.h * p.tiles_sh + (i0 / BLOCK_M) * p.tiles_so;
+    return min(row[j / BLOCK_N], hi);
+}
+
+// The first query tile (of BLOCK_C queries) at or after query i (a multiple of BLOCK_C)
+// below i_hi that some score of key block j0 (a multiple of BLOCK_R) survives in, or i_hi.
+template <int BLOCK_C, int BLOCK_R>
+__device__ __forceinline__ int next_live_query_tile(const Params& p, const HeadView& hv, int j0, int i, int i_hi) {
+    if (i >= i_hi) return i_hi;
+    const i32* row = p.tiles_t + hv.b * p.tt_sb + hv.h * p.tt_sh + (j0 / BLOCK_R) * p.tt_so;
+    return min(row[i / BLOCK_C], i_hi);
+}
+
+}  // namespace flash
