@@ -46,8 +46,9 @@ struct OnlineSoftmax {
         // i = 16 mi + 8 (e >> 1) is 8 x for the thread's row x (a constant once unrolled).
         auto fold_max = [&](Acc& s, int i, int) { row_max[i / 8] = max_acc(row_max[i / 8], s); };
         const bool crosses = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
-        // A fast tile (whole, crossing no band edge, no mask present) selects nothing.
-        const bool fast = !Sc::kMasks && jt1 - jt0 == 8 * NP && !crosses;
+        // A fast tile (whole, crossing no band edge, no block mask present) selects nothing
+        // but what the mask, read from its staged tile on every tile, says.
+        const bool fast = !Sc::kBlockMask && jt1 - jt0 == 8 * NP && !crosses;
         if constexpr (Sc::kFull) {
             // One copy of the options' passes for every tile, the selection skipped on fast ones
             // (a second copy for fast tiles spills the D = 128 bias kernel).

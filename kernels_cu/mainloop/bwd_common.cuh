@@ -133,9 +133,10 @@ struct BwdKeyBlock;
 
 // One query tile of a dK/dV block: rows [i0, i1); once its products are issued, classify()
 // works out whether the block's keys see it whole and inside the band (`fast`: no element
-// needs a selection). The tile's head view and score modifiers are the caller's locals (a
-// struct holding both, one referring to the other, keeps the compiler from placing them in
-// registers).
+// needs a selection, but for the mask's own where MASK_STAGED: a mainloop whose fast element
+// pass reads the mask from its staged tile). The tile's head view and score modifiers are the
+// caller's locals (a struct holding both, one referring to the other, keeps the compiler from
+// placing them in registers).
 struct BwdQueryTile {
     int i0, i1;
     bool band;  // the tile crosses a causal or window edge
@@ -145,7 +146,7 @@ struct BwdQueryTile {
     __device__ __forceinline__ BwdQueryTile(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, int i0_)
         : i0(i0_), i1(min(i0_ + BLOCK_C, blk.i_hi)) {}
 
-    template <int BLOCK_R, int BLOCK_C, typename Sc>
+    template <bool MASK_STAGED = false, int BLOCK_R, int BLOCK_C, typename Sc>
     __device__ __forceinline__ void classify(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
                                              const Sc& scores) {
         // Full tile: BLOCK_C queries and BLOCK_R keys, tested on the unclamped ends. CUDA 13's
@@ -154,7 +155,7 @@ struct BwdQueryTile {
         // where lse < 0 and dQ = dS K came out NaN (tests/test_fuzz.py, fp16 scores of -6e4).
         const bool full_tile = i0 + BLOCK_C <= blk.i_hi && blk.j0 + BLOCK_R <= blk.hv0.kv_len;
         band = !tile_inside_band(blk.p, hv, i0, i1, blk.j0, blk.j0 + max(blk.keys_valid, 1));
-        fast = !Sc::kMasks && full_tile && !band;
+        fast = (!Sc::kMasks || (MASK_STAGED && !Sc::kBlockMask)) && full_tile && !band;
     }
 };
 
@@ -408,8 +409,9 @@ template <typename Set> constexpr bool kTwoPassElements = Set::kFull && (Set::kM
 
 // The element pass of tiles with options in two passes, as BwdElements' for PlainScores: P^T
 // from S^T as soon as S^T has landed (while dP^T is still on the tensor cores), then dS^T from
-// P^T and dP^T. Each pass is inlined twice (by_tile): a fast tile (no mask present, whole,
-// inside the band) takes P = exp2(value(S) - lse2) and dS = P (dP z - D) with no selection;
+// P^T and dP^T. Each pass is inlined twice (by_tile): a fast tile (whole, inside the band, no
+// mask present or only a staged one) takes P = exp2(value(S) - lse2), 0 where the staged mask
+// says no, and dS = P (dP z - D) with no selection (dP is finite: P = 0 gives dS = 0);
 // elsewhere masked and padding scores get P = 0, and dS = 0 by selection on P (an overflowed
 // dP times P = 0 would be NaN; a kept score whose P underflows to 0 gets dS = 0 too, where the
 // one-pass form would carry an inf or NaN dP into it). z = keep / (1 - p) of dropout; the bias

@@ -49,6 +49,11 @@ struct BwdWgmma {
                                     && (Set::kMods & (kModBias | kModMask | kModDropout)) != (kModBias | kModMask | kModDropout);
     template <typename Set>
     using Staged = typename StagedOr<kStages<Set>, ScoreTiles<Set, BLOCK_C, BLOCK_R, STAGES, true>>::type;
+    // Whole tiles inside the band take the fast element passes beside a staged mask too (the
+    // passes read it there), up to 64-column chunks: with 128 the second copy of the mask's
+    // pass spills.
+    template <typename Set>
+    static constexpr bool kMaskFast = Staged<Set>::kMask && CH <= 64;
 
     template <typename ScoreSet, typename Storage>
     static __device__ __forceinline__ void run(Storage& storage, Block& blk) {
@@ -82,7 +87,7 @@ struct BwdWgmma {
             zero_acc(dp_t);
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sK, sQt, s_t);    // S^T = K Q^T
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
-            tile.classify(blk, hv, scores);
+            tile.template classify<kMaskFast<ScoreSet>>(blk, hv, scores);
             if constexpr (TWO_PASS) {
                 const OptionElements<Acc, ScoreSet, BLOCK_R, BLOCK_C, Tiles> el(
                     blk, hv, scores, tile, r0, t, Tiles::transposed(storage.extra(), st, t, r0 - blk.j0),

@@ -38,7 +38,8 @@ struct ScoreMods {
     static constexpr unsigned kMods = MODS;
     using Bias = B;
     static constexpr bool kFull = MODS != 0;
-    static constexpr bool kMasks = (MODS & kModMasks) != 0;    // masks beyond the band: tiles are tested
+    static constexpr bool kMasks = (MODS & kModMasks) != 0;    // masks beyond the band: a tile map is walked
+    static constexpr bool kBlockMask = (MODS & kModBlockMask) != 0;
     static constexpr bool kPlain = (MODS & kModValues) == 0;   // S = scale log2(e) q.k wherever kept
     static constexpr bool kDropout = (MODS & kModDropout) != 0;
     static_assert(((MODS & kModBias) != 0) == !kIsVoid<B>, "a bias type exactly when the bias bit is set");
@@ -171,16 +172,13 @@ struct ScoreOp {
         }
     }
 
-    // values(), then, with `select`, -inf outside (q_len, j_end), outside the band where the
-    // tile crosses its edge (check_band), and wherever a mask says no (the mask from `ops`,
-    // the block mask read only inside (q_len, j_end)).
+    // values(), -inf wherever the mask (from `ops`, on every tile) says no, then, with
+    // `select`, -inf outside (q_len, j_end), outside the band where the tile crosses its edge
+    // (check_band), and wherever the block mask says no (read only inside (q_len, j_end)).
     template <int MI, int NP, typename Ops>
     __device__ __forceinline__ void tile(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
                                          int t, int j_end, bool check_band, bool select, const Ops& ops) const {
         values(hv, s, r0, jt0, t, ops);
-        if (!select) return;
-        auto inside = [&](int i, int j) { return (i < hv.q_len) & (j < j_end); };
-        const Band in_band(p, hv);
         if constexpr ((M & kModMask) != 0) {
             each_pair(s, [&](Acc& x, Acc& y, int dr, int dc) {
                 const unsigned kept = ops.mask_pair(dr, dc);
@@ -188,6 +186,9 @@ struct ScoreOp {
                 y = kept & 2u ? y : neg_inf<Acc>();
             });
         }
+        if (!select) return;
+        auto inside = [&](int i, int j) { return (i < hv.q_len) & (j < j_end); };
+        const Band in_band(p, hv);
         if constexpr ((M & kModBlockMask) != 0) {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
                 x = inside(i, j) && block_unmasked(p, i, j) ? x : neg_inf<Acc>();

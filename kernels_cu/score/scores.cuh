@@ -11,13 +11,14 @@
 //
 // What a mainloop asks of it:
 //   tile walk         next_live_tile(i0, j, hi): the next key tile some score survives the
-//                     masks in (the tiles between are skipped); kMasks: no tile is a fast one (every
-//                     tile reads the masks); a tile without masks, whole and crossing no band
-//                     edge, needs no selection: values() and nothing else;
+//                     masks in (the tiles between are skipped); a whole tile crossing no band
+//                     edge and without a block mask is a fast one: values() and, with a mask,
+//                     the mask's own selection from its staged tile, nothing else;
 //   forward transform masked_tile(s, ..., select, ops): raw products -> log2-domain scores,
-//                     and with `select` -inf where the lengths, the band or a mask say no
-//                     (every tile but the fast ones), the bias and mask read from the tile's
-//                     operands staged in shared memory (score/tiles.cuh);
+//                     -inf where the mask says no, and with `select` where the lengths, the
+//                     band or the block mask say no (every tile but the fast ones), the bias
+//                     and mask read from the tile's operands staged in shared memory
+//                     (score/tiles.cuh);
 //   per-score form    value(raw, i, j) (no selection) and operator()(raw, i, j, band) (the
 //                     backward's element pass);
 //   derivative        derivative(bp, ds, raw, i, j, owner): the bias gradient's accumulation
@@ -36,7 +37,8 @@ namespace flash {
 template <typename Acc, typename Set>
 struct Scores {
     static constexpr unsigned kMods = Set::kMods;
-    static constexpr bool kFull = Set::kFull, kMasks = Set::kMasks, kPlain = Set::kPlain, kDropout = Set::kDropout;
+    static constexpr bool kFull = Set::kFull, kMasks = Set::kMasks, kBlockMask = Set::kBlockMask, kPlain = Set::kPlain;
+    static constexpr bool kDropout = Set::kDropout;
     const Params& p;
     const HeadView hv;  // a copy: a reference to the caller's would keep it in memory
     ScoreOp<Acc, Set> op;
@@ -53,11 +55,12 @@ struct Scores {
     }
 
     // The log2-domain scores of a (16 MI, 8 NP) accumulator tile of raw products q.k, rows
-    // from r0 and keys from jt0 (thread column t), keys from jt1 zero-filled padding; with
-    // `select`, rows from q_len and keys from jt1 masked and -inf wherever the band (where
-    // the tile `crosses` a causal or window edge) or a mask says no. Without it (a fast tile:
-    // whole, inside the band, no mask present) nothing is selected and rows past q_len are
-    // computed to be discarded; PlainScores always select (their fast tiles take the
+    // from r0 and keys from jt0 (thread column t), keys from jt1 zero-filled padding; -inf
+    // wherever the mask says no (its staged tile is zero past the tile's rows and keys), and
+    // with `select`, rows from q_len and keys from jt1 masked and -inf wherever the band (where
+    // the tile `crosses` a causal or window edge) or the block mask says no. Without it (a
+    // fast tile: whole, inside the band, no block mask) nothing else is selected and rows past
+    // q_len are computed to be discarded; PlainScores always select (their fast tiles take the
     // softmax's fused scale-and-max loop instead). SEQUENTIAL: PlainScores' band test in
     // TileBand's sequential form, for kernels without registers to spare.
     // The bias and mask come from the tile's staged operands `ops` (score/tiles.cuh).
