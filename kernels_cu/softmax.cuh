@@ -47,12 +47,14 @@ struct OnlineSoftmax {
         auto fold_max = [&](Acc& s, int i, int) { row_max[i / 8] = max_acc(row_max[i / 8], s); };
         const bool crosses = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
         // A fast tile (whole, crossing no band edge, no block mask present) selects nothing
-        // but what the mask, read from its staged tile on every tile, says.
+        // but what the mask, read from its staged tile, says: nothing either where the mask
+        // keeps the tile whole (the tile map's word; its mask was not copied).
         const bool fast = !Sc::kBlockMask && jt1 - jt0 == 8 * NP && !crosses;
         if constexpr (Sc::kFull) {
             // One copy of the options' passes for every tile, the selection skipped on fast ones
             // (a second copy for fast tiles spills the D = 128 bias kernel).
-            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, !fast,
+            const bool mask = !scores.template mask_whole<Staged::kRows, Staged::kCols>(i0, jt0);
+            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, !fast, mask,
                                                          staged.operands(stage, r0 - i0, t));
             each_element(sp, 0, 0, 0, fold_max);
         } else if (fast) {
@@ -63,7 +65,7 @@ struct OnlineSoftmax {
         } else {
             // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
             // discarded: both masked, the latter before any mask or bias read.
-            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, true,
+            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, true, false,
                                                          staged.operands(stage, r0 - i0, t));
             each_element(sp, 0, 0, 0, fold_max);
         }

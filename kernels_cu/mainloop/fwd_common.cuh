@@ -65,11 +65,12 @@ struct KeyTiles {
         return j < hi ? scores.template next_live_tile<BLOCK_M, BLOCK_N>(i0, j + BLOCK_N, hi) : hi;
     }
     // Copies of key tile j of K or V into the tile at s (keys past hi zero-filled, nothing
-    // when j >= hi); with K, the tile's score operands into stage `stage`.
+    // when j >= hi); with K, the tile's score operands into stage `stage` (no mask where the
+    // mask keeps the tile whole: OnlineSoftmax then reads none).
     __device__ __forceinline__ void load_k(T* s, int j, int stage) const {
         if (j < hi) {
             KTile::template load<THREADS>(s, gK + j * p.k_sr, p.k_sr, hi - j, p.d);
-            staged.template load<THREADS>(p, stage, j, hi - j);
+            staged.template load<THREADS>(p, stage, j, hi - j, !scores.template mask_whole<BLOCK_M, BLOCK_N>(i0, j));
         }
     }
     __device__ __forceinline__ void load_v(T* s, int j) const {

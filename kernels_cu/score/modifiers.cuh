@@ -172,14 +172,15 @@ struct ScoreOp {
         }
     }
 
-    // values(), -inf wherever the mask (from `ops`, on every tile) says no, then, with
-    // `select`, -inf outside (q_len, j_end), outside the band where the tile crosses its edge
+    // values(), with `mask` -inf wherever the mask (from `ops`) says no, then, with `select`,
+    // -inf outside (q_len, j_end), outside the band where the tile crosses its edge
     // (check_band), and wherever the block mask says no (read only inside (q_len, j_end)).
     template <int MI, int NP, typename Ops>
     __device__ __forceinline__ void tile(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
-                                         int t, int j_end, bool check_band, bool select, const Ops& ops) const {
+                                         int t, int j_end, bool check_band, bool select, bool mask,
+                                         const Ops& ops) const {
         values(hv, s, r0, jt0, t, ops);
-        if constexpr ((M & kModMask) != 0) {
+        if ((M & kModMask) != 0 && mask) {
             each_pair(s, [&](Acc& x, Acc& y, int dr, int dc) {
                 const unsigned kept = ops.mask_pair(dr, dc);
                 x = kept & 1u ? x : neg_inf<Acc>();

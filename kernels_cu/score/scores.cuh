@@ -54,9 +54,18 @@ struct Scores {
         return j;
     }
 
+    // Does the mask keep every score of live key tile j of the query tile from i0 (the tile
+    // map's word; false without a mask): then no mask is copied or read for it.
+    template <int BLOCK_M, int BLOCK_N>
+    __device__ __forceinline__ bool mask_whole(int i0, int j) const {
+        if constexpr ((kMods & kModMask) != 0) return key_tile_whole<BLOCK_M, BLOCK_N>(p, hv, i0, j);
+        return false;
+    }
+
     // The log2-domain scores of a (16 MI, 8 NP) accumulator tile of raw products q.k, rows
-    // from r0 and keys from jt0 (thread column t), keys from jt1 zero-filled padding; -inf
-    // wherever the mask says no (its staged tile is zero past the tile's rows and keys), and
+    // from r0 and keys from jt0 (thread column t), keys from jt1 zero-filled padding; with
+    // `mask` (the tile is not kept whole), -inf wherever the mask says no (its staged tile is
+    // zero past the tile's rows and keys), and
     // with `select`, rows from q_len and keys from jt1 masked and -inf wherever the band (where
     // the tile `crosses` a causal or window edge) or the block mask says no. Without it (a
     // fast tile: whole, inside the band, no block mask) nothing else is selected and rows past
@@ -66,9 +75,9 @@ struct Scores {
     // The bias and mask come from the tile's staged operands `ops` (score/tiles.cuh).
     template <bool SEQUENTIAL, int MI, int NP, typename Ops>
     __device__ __forceinline__ void masked_tile(Acc (&s)[MI][NP][4], int r0, int jt0, int t, int jt1,
-                                                bool crosses, bool select, const Ops& ops) const {
+                                                bool crosses, bool select, bool mask, const Ops& ops) const {
         if constexpr (kFull) {
-            op.tile(p, hv, s, r0, jt0, t, jt1, crosses, select, ops);
+            op.tile(p, hv, s, r0, jt0, t, jt1, crosses, select, mask, ops);
         } else {
             const TileBand<SEQUENTIAL> kept(p, hv, crosses);
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {

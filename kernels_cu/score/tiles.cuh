@@ -100,6 +100,7 @@ struct ScoreTiles {
     static constexpr bool kBias = (Set::kMods & kModBias) != 0;
     static constexpr bool kMask = (Set::kMods & kModMask) != 0;
     static constexpr bool kAny = kBias || kMask;
+    static constexpr int kRows = ROWS, kCols = COLS;
     using B = typename StagedBias<typename Set::Bias>::type;
     static constexpr int LDB = COLS + 16 / static_cast<int>(sizeof(B));  // bias row pitch (elements)
     static constexpr int LDM = (COLS + 15) / 16 * 16 + 16;              // mask row pitch (bytes)
@@ -152,9 +153,11 @@ struct ScoreTiles {
     }
 
     // Copies the operands of key tile j (keys [j, j + COLS), those from `keys` zero) into stage
-    // `stage`, by THREADS threads; rows from valid_rows are zero. Nothing without operands.
+    // `stage`, by THREADS threads; rows from valid_rows are zero. Nothing without operands; no
+    // mask without `mask` (a tile the mask keeps whole: its stage's mask is not read).
     template <int THREADS>
-    __device__ __forceinline__ void load(const Params& p, int stage, int j, int keys, u32 tid = threadIdx.x) const {
+    __device__ __forceinline__ void load(const Params& p, int stage, int j, int keys, bool mask = true,
+                                         u32 tid = threadIdx.x) const {
         if constexpr (kAny) {
             unsigned char* s = smem + stage * kStageBytes;
             if constexpr (kBias) {
@@ -162,8 +165,10 @@ struct ScoreTiles {
                                       bias_vec, tid);
             }
             if constexpr (kMask) {
-                copy<THREADS, bool, LDM>(reinterpret_cast<bool*>(s + kBiasBytes), gM + j * p.mask_sj, p.mask_si,
-                                         p.mask_sj, keys, mask_vec, tid);
+                if (mask) {
+                    copy<THREADS, bool, LDM>(reinterpret_cast<bool*>(s + kBiasBytes), gM + j * p.mask_sj, p.mask_si,
+                                             p.mask_sj, keys, mask_vec, tid);
+                }
             }
         }
     }
