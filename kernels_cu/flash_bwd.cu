@@ -203,8 +203,8 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
     const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
 
     // Key tiles the masks leave some score in (every tile in range without masks).
-    for (int j0 = score.template next_live_tile<BLOCK_R, BLOCK_C>(i0, lo - lo % BLOCK_C, hi); j0 < hi;
-         j0 = score.template next_live_tile<BLOCK_R, BLOCK_C>(i0, j0 + BLOCK_C, hi)) {
+    for (int j0 = score.template next_live_tile<BLOCK_R, BLOCK_C>(i0, lo - lo % BLOCK_C, hi).j; j0 < hi;
+         j0 = score.template next_live_tile<BLOCK_R, BLOCK_C>(i0, j0 + BLOCK_C, hi).j) {
         const int j1 = min(j0 + BLOCK_C, hi);
         __syncthreads();  // every warp is done with the previous K and V
         load_tile<T, BLOCK_C, HD, LD, THREADS>(sK, gK + j0 * p.k_sr, p.k_sr, j1 - j0, p.d);

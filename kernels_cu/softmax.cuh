@@ -32,13 +32,14 @@ struct OnlineSoftmax {
     Acc (&m)[2 * MI];  // rows r0 + 8 x, x in [0, 2 MI)
     Acc (&l)[2 * MI];
 
-    // Scores of keys [jt0, jt0 + 8 NP) (valid below jt1) from raw products sp, turned into
-    // P = exp2(S - m) in place (dropped elements 0) and folded into m and l; alpha =
-    // exp2(m_old - m_new) per row is what O has to be rescaled by (rescale). The tile's
-    // operands are in stage `stage` of `staged`.
+    // Scores of key tile k, keys [jt0, jt0 + 8 NP) from jt0 = k.j (valid below jt1), from raw
+    // products sp, turned into P = exp2(S - m) in place (dropped elements 0) and folded into m
+    // and l; alpha = exp2(m_old - m_new) per row is what O has to be rescaled by (rescale).
+    // The tile's operands are in stage `stage` of `staged` (no mask where k.whole).
     template <int NP>
-    __device__ __forceinline__ void exponentiate(Acc (&sp)[MI][NP][4], const int jt0, const int jt1,
+    __device__ __forceinline__ void exponentiate(Acc (&sp)[MI][NP][4], const KeyTile& k, const int jt1,
                                                  Acc (&alpha)[2 * MI], int stage) {
+        const int jt0 = k.j;
         Acc row_max[2 * MI];
 #pragma unroll
         for (int x = 0; x < 2 * MI; ++x) row_max[x] = neg_inf<Acc>();
@@ -53,8 +54,7 @@ struct OnlineSoftmax {
         if constexpr (Sc::kFull) {
             // One copy of the options' passes for every tile, the selection skipped on fast ones
             // (a second copy for fast tiles spills the D = 128 bias kernel).
-            const bool mask = !scores.template mask_whole<Staged::kRows, Staged::kCols>(i0, jt0);
-            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, !fast, mask,
+            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, !fast, !k.whole,
                                                          staged.operands(stage, r0 - i0, t));
             each_element(sp, 0, 0, 0, fold_max);
         } else if (fast) {
@@ -114,10 +114,10 @@ struct OnlineSoftmax {
 
     // exponentiate, then rescale O for the new maxima.
     template <int NP, int NO>
-    __device__ __forceinline__ void fold(Acc (&sp)[MI][NP][4], const int jt0, const int jt1, Acc (&o)[MI][NO][4],
+    __device__ __forceinline__ void fold(Acc (&sp)[MI][NP][4], const KeyTile& k, const int jt1, Acc (&o)[MI][NO][4],
                                          int stage) {
         Acc alpha[2 * MI];
-        exponentiate(sp, jt0, jt1, alpha, stage);
+        exponentiate(sp, k, jt1, alpha, stage);
         rescale(o, alpha);
     }
 };

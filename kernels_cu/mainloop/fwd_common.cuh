@@ -57,20 +57,20 @@ struct KeyTiles {
         : p(b.p), scores(scores_), staged(staged_), i0(b.i0), lo(b.lo), hi(b.hi), gK(b.gK), gV(b.gV),
           dv_load(b.dv_load) {}
 
-    __device__ __forceinline__ int first() const {
+    __device__ __forceinline__ KeyTile first() const {
         return scores.template next_live_tile<BLOCK_M, BLOCK_N>(i0, lo - lo % BLOCK_N, hi);
     }
-    // The live key tile after tile j, or hi when there is none (j >= hi included).
-    __device__ __forceinline__ int next(int j) const {
-        return j < hi ? scores.template next_live_tile<BLOCK_M, BLOCK_N>(i0, j + BLOCK_N, hi) : hi;
+    // The live key tile after tile k, or {hi, false} when there is none (k.j >= hi included).
+    __device__ __forceinline__ KeyTile next(const KeyTile& k) const {
+        return k.j < hi ? scores.template next_live_tile<BLOCK_M, BLOCK_N>(i0, k.j + BLOCK_N, hi) : KeyTile{hi, false};
     }
-    // Copies of key tile j of K or V into the tile at s (keys past hi zero-filled, nothing
-    // when j >= hi); with K, the tile's score operands into stage `stage` (no mask where the
+    // Copies of key tile k of K, or j of V, into the tile at s (keys past hi zero-filled,
+    // nothing past hi); with K, the tile's score operands into stage `stage` (no mask where the
     // mask keeps the tile whole: OnlineSoftmax then reads none).
-    __device__ __forceinline__ void load_k(T* s, int j, int stage) const {
-        if (j < hi) {
-            KTile::template load<THREADS>(s, gK + j * p.k_sr, p.k_sr, hi - j, p.d);
-            staged.template load<THREADS>(p, stage, j, hi - j, !scores.template mask_whole<BLOCK_M, BLOCK_N>(i0, j));
+    __device__ __forceinline__ void load_k(T* s, const KeyTile& k, int stage) const {
+        if (k.j < hi) {
+            KTile::template load<THREADS>(s, gK + k.j * p.k_sr, p.k_sr, hi - k.j, p.d);
+            staged.template load<THREADS>(p, stage, k.j, hi - k.j, !k.whole);
         }
     }
     __device__ __forceinline__ void load_v(T* s, int j) const {

@@ -49,48 +49,48 @@ struct FwdOverlap {
         T* sK = storage.k[0];
         T* sV = storage.v[0];
         const auto tiles = start_tiles<QTile, KTile, VTile, kBlockM, BLOCK_N, kThreads>(sQ, b, scores, staged);
-        const int j0 = tiles.first();
+        const KeyTile k0 = tiles.first();
         const int hi = b.hi;
-        const int j1 = tiles.next(j0);
-        tiles.load_k(sK, j0, 0);
+        const KeyTile k1 = tiles.next(k0);
+        tiles.load_k(sK, k0, 0);
         cp_async_commit();  // Q and K_0
-        tiles.load_k(sK + KTile::ELEMS, j1, 1);
-        tiles.load_v(sV, j0);
+        tiles.load_k(sK + KTile::ELEMS, k1, 1);
+        tiles.load_v(sV, k0.j);
         cp_async_commit();  // K_1 and V_0
         typename Policy::template PFrag<BLOCK_N> pf;  // P of the current tile, O += P V's A operand
         float s[1][NT][4], alpha[2];
-        if (j0 < hi) {
+        if (k0.j < hi) {
             wait_tiles<1, true>();  // Q and K_0
             zero_acc(s);
             qk<Policy, kBlockM, HD, BLOCK_N, QTile, KTile>(sQ, b.warp, sK, s);  // S = Q K^T
-            softmax.exponentiate(s, j0, min(j0 + BLOCK_N, hi), alpha, 0);      // O is still 0: no rescale
+            softmax.exponentiate(s, k0, min(k0.j + BLOCK_N, hi), alpha, 0);    // O is still 0: no rescale
             Policy::template pack_p<BLOCK_N>(s, pf);
             __syncthreads();  // every warp is done with K_0: its stage takes K_2
-            int j_next = j1, j_after = tiles.next(j1);
-            tiles.load_k(sK, j_after, 0);
-            tiles.load_v(sV + VTile::ELEMS, j1);
+            KeyTile k_next = k1, k_after = tiles.next(k1);
+            tiles.load_k(sK, k_after, 0);
+            tiles.load_v(sV + VTile::ELEMS, k1.j);
             cp_async_commit();
             int stage = 0;  // of the current tile
-            while (j_next < hi) {
+            while (k_next.j < hi) {
                 wait_tiles<1, true>();  // K_next and V of the current tile have landed
                 zero_acc(s);
                 Policy::template qk_issue<kBlockM, HD, BLOCK_N>(sQ, sK + (stage ^ 1) * KTile::ELEMS, s);
                 Policy::template pv_issue<BLOCK_N, DV>(pf, sV + stage * VTile::ELEMS, o);  // O += P V
                 wgmma_wait<1>();  // S_next has landed; P V may still run
                 fence_regs(s[0]);
-                softmax.exponentiate(s, j_next, min(j_next + BLOCK_N, hi), alpha, stage ^ 1);
+                softmax.exponentiate(s, k_next, min(k_next.j + BLOCK_N, hi), alpha, stage ^ 1);
                 wgmma_wait<0>();
                 fence_regs(o[0]);
                 fence_regs(pf[0]);
                 softmax.rescale(o, alpha);
                 Policy::template pack_p<BLOCK_N>(s, pf);
                 __syncthreads();  // every warp is done with K_next and this V: refill both stages
-                const int j3 = tiles.next(j_after);
-                tiles.load_k(sK + (stage ^ 1) * KTile::ELEMS, j3, stage ^ 1);
-                tiles.load_v(sV + stage * VTile::ELEMS, j_after);
+                const KeyTile k3 = tiles.next(k_after);
+                tiles.load_k(sK + (stage ^ 1) * KTile::ELEMS, k3, stage ^ 1);
+                tiles.load_v(sV + stage * VTile::ELEMS, k_after.j);
                 cp_async_commit();
-                j_next = j_after;
-                j_after = j3;
+                k_next = k_after;
+                k_after = k3;
                 stage ^= 1;
             }
             wait_tiles<0, true>();  // V of the last tile

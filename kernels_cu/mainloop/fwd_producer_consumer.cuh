@@ -175,7 +175,7 @@ __device__ __forceinline__ void consume_tf32x3(typename Tf32x3Storage<HD, DV, BL
     wgmma_wait<0>();
     fence_regs(s[0]);
     release(kEmptyK, 0);
-    softmax.exponentiate(s, key0(0), min(key0(0) + BLOCK_N, hi), alpha, 0);  // O is still 0: no rescale
+    softmax.exponentiate(s, KeyTile{key0(0), false}, min(key0(0) + BLOCK_N, hi), alpha, 0);  // O is still 0: no rescale
     Policy::template split_p<BLOCK_N>(s, ph, pl);
     for (int t = 0; t + 1 < tiles; ++t) {
         issue_s(t + 1, s);
@@ -184,7 +184,7 @@ __device__ __forceinline__ void consume_tf32x3(typename Tf32x3Storage<HD, DV, BL
         fence_regs(s[0]);
         release(kEmptyK, t + 1);
         const int j = key0(t + 1);
-        softmax.exponentiate(s, j, min(j + BLOCK_N, hi), alpha, 0);  // no staged operands
+        softmax.exponentiate(s, KeyTile{j, false}, min(j + BLOCK_N, hi), alpha, 0);  // no staged operands or masks
         land_d(t, alpha);
         Policy::template split_p<BLOCK_N>(s, ph, pl);
     }
@@ -213,7 +213,7 @@ struct FwdProducerConsumer {
     static __device__ __forceinline__ bool run(SharedStorage& storage, const FwdBlock<float>& b, const Sc& scores,
                                                const Staged&, Softmax& softmax, float (&o)[1][DV / 8][4]) {
         static_assert(!Sc::kFull && !Staged::kAny, "the consumer's softmax takes PlainScores only");
-        const int j0 = scores.template next_live_tile<kBlockM, BLOCK_N>(b.i0, b.lo - b.lo % BLOCK_N, b.hi);
+        const int j0 = scores.template next_live_tile<kBlockM, BLOCK_N>(b.i0, b.lo - b.lo % BLOCK_N, b.hi).j;
         if (b.warp >= kConsumerThreads / 32) {  // the producer warpgroup
             produce_tf32x3<HD, DV, BLOCK_N, kConsumerThreads>(storage, b.p, b.gQ + b.i0 * b.p.q_sr, b.rows_valid, b.gK,
                                                                b.gV, b.dv_load, j0, b.hi);

@@ -53,56 +53,56 @@ struct FwdSerial {
         T* sK = storage.k[0];
         T* sV = storage.v[0];
         const auto tiles = start_tiles<QTile, KTile, VTile, kBlockM, BLOCK_N, kThreads>(sQ, b, scores, staged);
-        int j0 = tiles.first();
+        KeyTile k0 = tiles.first();
         const int hi = b.hi;
-        int j_pre = hi;  // STAGES = 2: the tile in flight to the other stage
+        KeyTile k_pre{hi, false};  // STAGES = 2: the tile in flight to the other stage
         if constexpr (STAGES == 2) {
-            tiles.load_k(sK, j0, 0);
-            tiles.load_v(sV, j0);
+            tiles.load_k(sK, k0, 0);
+            tiles.load_v(sV, k0.j);
             cp_async_commit();  // Q and the first tile
-            j_pre = tiles.next(j0);
-            tiles.load_k(sK + KTile::ELEMS, j_pre, 1);
-            tiles.load_v(sV + VTile::ELEMS, j_pre);
+            k_pre = tiles.next(k0);
+            tiles.load_k(sK + KTile::ELEMS, k_pre, 1);
+            tiles.load_v(sV + VTile::ELEMS, k_pre.j);
         } else {
-            tiles.load_k(sK, j0, 0);
+            tiles.load_k(sK, k0, 0);
         }
         cp_async_commit();
         int stage = 0;
-        while (j0 < hi) {
-            const int j1 = min(j0 + BLOCK_N, hi);
+        while (k0.j < hi) {
+            const int j1 = min(k0.j + BLOCK_N, hi);
             const T* sKs = sK + stage * KTile::ELEMS;
             const T* sVs = sV + stage * VTile::ELEMS;
             if constexpr (STAGES == 2) {
                 wait_tiles<1, kSwizzled>();  // every group but the newest has landed: Q and tile j0
             } else {
                 wait_tiles<0, kSwizzled>();  // Q and K_j have landed; and every warp is done with V of the last tile
-                tiles.load_v(sV, j0);
+                tiles.load_v(sV, k0.j);
                 cp_async_commit();
             }
 
             Acc s[MI][NT][4];
             zero_acc(s);
             qk<Policy, kBlockM, HD, BLOCK_N, QTile, KTile>(sQ, b.warp, sKs, s);  // S = Q K^T
-            softmax.fold(s, j0, j1, o, stage);
+            softmax.fold(s, k0, j1, o, stage);
             typename Policy::template PFrag<BLOCK_N> pf;  // P as the second product's A operand
             Policy::template pack_p<BLOCK_N>(s, pf);
             if constexpr (STAGES == 1) {  // the copy of V_j into the single stage has to land first
                 wait_tiles<0, kSwizzled>();  // ... and every warp be done reading K_j before K_next comes in
-                const int j_next = tiles.next(j0);
-                tiles.load_k(sK, j_next, 0);
+                const KeyTile k_next = tiles.next(k0);
+                tiles.load_k(sK, k_next, 0);
                 cp_async_commit();
                 pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
-                j0 = j_next;
+                k0 = k_next;
                 continue;
             }
             pv<Policy, BLOCK_N, DV, VTile>(pf, sVs, o);  // O += P V
             __syncthreads();  // every warp is done with this stage: refill it
-            const int j_next = j_pre;
-            j_pre = tiles.next(j_pre);
-            tiles.load_k(sK + stage * KTile::ELEMS, j_pre, stage);
-            tiles.load_v(sV + stage * VTile::ELEMS, j_pre);
+            const KeyTile k_next = k_pre;
+            k_pre = tiles.next(k_pre);
+            tiles.load_k(sK + stage * KTile::ELEMS, k_pre, stage);
+            tiles.load_v(sV + stage * VTile::ELEMS, k_pre.j);
             cp_async_commit();
-            j0 = j_next;
+            k0 = k_next;
             stage ^= 1;
         }
         return true;

@@ -11,7 +11,8 @@
 //
 // What a mainloop asks of it:
 //   tile walk         next_live_tile(i0, j, hi): the next key tile some score survives the
-//                     masks in (the tiles between are skipped); a whole tile crossing no band
+//                     masks in (the tiles between are skipped), and whether the mask keeps it
+//                     whole (no mask read for it); a whole tile crossing no band
 //                     edge and without a block mask is a fast one: values() and, with a mask,
 //                     the mask's own selection from its staged tile, nothing else;
 //   forward transform masked_tile(s, ..., select, ops): raw products -> log2-domain scores,
@@ -46,20 +47,13 @@ struct Scores {
     __device__ __forceinline__ Scores(const Params& p_, const HeadView& hv_) : p(p_), hv(hv_), op(p_, hv_) {}
 
     // The first key tile at or after j (a multiple of BLOCK_N) below hi that some score of
-    // the query tile from i0 (a multiple of BLOCK_M) survives the masks in, or hi: the call's
-    // tile map (score/tile_map.cuh) where masks are compiled in, else j itself.
+    // the query tile from i0 (a multiple of BLOCK_M) survives the masks in ({hi, false} if
+    // none), and whether the mask keeps it whole: the call's tile map (score/tile_map.cuh)
+    // where masks are compiled in, else {j, false}.
     template <int BLOCK_M, int BLOCK_N>
-    __device__ __forceinline__ int next_live_tile(int i0, int j, int hi) const {
+    __device__ __forceinline__ KeyTile next_live_tile(int i0, int j, int hi) const {
         if constexpr (kMasks) return next_live_key_tile<BLOCK_M, BLOCK_N>(p, hv, i0, j, hi);
-        return j;
-    }
-
-    // Does the mask keep every score of live key tile j of the query tile from i0 (the tile
-    // map's word; false without a mask): then no mask is copied or read for it.
-    template <int BLOCK_M, int BLOCK_N>
-    __device__ __forceinline__ bool mask_whole(int i0, int j) const {
-        if constexpr ((kMods & kModMask) != 0) return key_tile_whole<BLOCK_M, BLOCK_N>(p, hv, i0, j);
-        return false;
+        return {j, false};
     }
 
     // The log2-domain scores of a (16 MI, 8 NP) accumulator tile of raw products q.k, rows

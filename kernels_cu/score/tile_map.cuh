@@ -164,17 +164,20 @@ __device__ __forceinline__ int key_tile_entry(const Params& p, const HeadView& h
     return p.tiles[hv.b * p.tiles_sb + hv.h * p.tiles_sh + (i0 / BLOCK_M) * p.tiles_so + j / BLOCK_N];
 }
 
-// The first key tile (of BLOCK_N keys) at or after key j (a multiple of BLOCK_N) below hi that
-// some score of query tile i0 (a multiple of BLOCK_M) survives the masks in, or hi.
-template <int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ int next_live_key_tile(const Params& p, const HeadView& hv, int i0, int j, int hi) {
-    return j < hi ? min(key_tile_entry<BLOCK_M, BLOCK_N>(p, hv, i0, j) & ~kEntryWhole, hi) : hi;
-}
+// A key tile a forward block walks: its first key j, and whether the mask keeps every score
+// of it (`whole`: nothing of the mask is copied or read for it).
+struct KeyTile {
+    int j;
+    bool whole;
+};
 
-// Do the masks keep every score of live key tile j (as next_live_key_tile returned it)?
+// The first key tile (of BLOCK_N keys) at or after key j (a multiple of BLOCK_N) below hi that
+// some score of query tile i0 (a multiple of BLOCK_M) survives the masks in, or {hi, false}.
 template <int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ bool key_tile_whole(const Params& p, const HeadView& hv, int i0, int j) {
-    return (key_tile_entry<BLOCK_M, BLOCK_N>(p, hv, i0, j) & kEntryWhole) != 0;
+__device__ __forceinline__ KeyTile next_live_key_tile(const Params& p, const HeadView& hv, int i0, int j, int hi) {
+    if (j >= hi) return {hi, false};
+    const int entry = key_tile_entry<BLOCK_M, BLOCK_N>(p, hv, i0, j);
+    return {min(entry & ~kEntryWhole, hi), (entry & kEntryWhole) != 0};
 }
 
 // The first query tile (of BLOCK_C queries) at or after query i (a multiple of BLOCK_C)

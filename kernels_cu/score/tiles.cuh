@@ -100,7 +100,6 @@ struct ScoreTiles {
     static constexpr bool kBias = (Set::kMods & kModBias) != 0;
     static constexpr bool kMask = (Set::kMods & kModMask) != 0;
     static constexpr bool kAny = kBias || kMask;
-    static constexpr int kRows = ROWS, kCols = COLS;
     using B = typename StagedBias<typename Set::Bias>::type;
     static constexpr int LDB = COLS + 16 / static_cast<int>(sizeof(B));  // bias row pitch (elements)
     static constexpr int LDM = (COLS + 15) / 16 * 16 + 16;              // mask row pitch (bytes)
