@@ -649,15 +649,16 @@ class _WgmmaBackwardRule(BackwardRule):
 def wgmma_backward_takes(hd: int, scores: ScoreSet) -> bool:
     """Whether the warpgroup dK/dV kernel takes calls of padded head dim ``hd`` with the
     options ``scores`` without a spill (ptxas, sm_90; 64-query tiles with options): at D = 64
-    every set; above, at most two options, dropout only alone or beside a bias (more spill
-    beside the 128-wide dK and dV). The others take mma.sync. tests/test_kernels_compile.py
-    compiles every set this admits."""
+    every set; above, at most two options, dropout only alone or beside a bias, and not a mask
+    beside a block mask (12 bytes spill beside the tile map's walk; more options spill beside
+    the 128-wide dK and dV). The others take mma.sync. tests/test_kernels_compile.py compiles
+    every set this admits."""
     if hd <= 64:
         return True
     mods = set(scores.mods)
     if "dropout" in mods:
         return mods <= {"dropout", "bias"}
-    return len(mods) <= 2
+    return len(mods) <= 2 and mods != {"mask", "block_mask"}
 
 
 _BWD_BASE = ((64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))   # one role, 32 or 16 streamed rows
