@@ -141,9 +141,10 @@ struct DqStorage {
     T v[KTile::ELEMS];     // (BLOCK_C, HD)
 };
 
-template <typename T, typename Policy, typename ScoreSet, int HD, int CH, int BLOCK_R, int BLOCK_C, int SMEM_BYTES,
+template <typename T, typename Policy, typename HostScoreSet, int HD, int CH, int BLOCK_R, int BLOCK_C, int SMEM_BYTES,
           int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
+    using ScoreSet = typename ForElement<HostScoreSet, T>::type;
     using Acc = typename Policy::Acc;
     using Storage = DqStorage<T, Policy, HD, BLOCK_R, BLOCK_C>;
     static_assert(Policy::MI == 1 && !Policy::WARPGROUP, "one 16-row group per warp");
@@ -263,9 +264,10 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
 }
 
 // ------------------------------------------------------------------ dK, dV (and dbias, dQ)
-template <typename Mainloop, typename ScoreSet, int SMEM_BYTES, int THREADS>
+template <typename Mainloop, typename HostScoreSet, int SMEM_BYTES, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dkdv(const BwdParams bp) {
     static_assert(THREADS == Mainloop::kThreads, "the host launches the mainloop's threads");
+    using ScoreSet = typename ForElement<HostScoreSet, typename Mainloop::Element>::type;
     using Storage = StorageWith<typename Mainloop::SharedStorage, Mainloop::template Staged<ScoreSet>::kBytes>;
     static_assert(SMEM_BYTES == smem_bytes<Mainloop::kSwizzled>(sizeof(Storage)),
                   "the host launches with the mainloop's shared memory and the staged score operands'");

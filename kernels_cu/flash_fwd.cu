@@ -20,10 +20,11 @@
 
 namespace flash {
 
-template <typename Mainloop, typename ScoreSet, int SMEM_BYTES, int THREADS>
+template <typename Mainloop, typename HostScoreSet, int SMEM_BYTES, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     static_assert(THREADS == Mainloop::kThreads, "the host launches the mainloop's threads");
     using T = typename Mainloop::Element;
+    using ScoreSet = typename ForElement<HostScoreSet, T>::type;
     using Acc = typename Mainloop::Acc;
     constexpr int MI = Mainloop::MI;       // 16-row groups per warp
     constexpr int WARP_M = 16 * MI;

@@ -39,6 +39,14 @@ __device__ __forceinline__ float softmax_exp2(float x) {
 __device__ __forceinline__ double softmax_exp2(double x) { return exp2(x); }
 __device__ __forceinline__ float tanh_acc(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_acc(double x) { return tanh(x); }
+// tanh in one MUFU.TANH (tanh.approx.f32, sm_75+: relative error about 2^-11, an ulp of
+// float16), for scores from 16-bit inputs: tanhf is a libdevice routine of an exp2, a
+// reciprocal and a polynomial, and softcap called it on every score.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
 __device__ __forceinline__ float log2_acc(float x) { return log2f(x); }

@@ -42,9 +42,25 @@ struct ScoreMods {
     static constexpr bool kBlockMask = (MODS & kModBlockMask) != 0;
     static constexpr bool kPlain = (MODS & kModValues) == 0;   // S = scale log2(e) q.k wherever kept
     static constexpr bool kDropout = (MODS & kModDropout) != 0;
+    static constexpr bool kApproxTanh = false;  // softcap's tanh in one instruction (ForElement)
     static_assert(((MODS & kModBias) != 0) == !kIsVoid<B>, "a bias type exactly when the bias bit is set");
 };
 using PlainScores = ScoreMods<0>;
+
+// The option set a kernel of input element type T runs: Set itself, or, with softcap on
+// 16-bit inputs, Set with kApproxTanh: tanh.approx's error is an ulp of the inputs' float16,
+// where float32 and float64 inputs keep tanhf's and tanh's precision. Each entry applies it
+// to the set the host names; sets without softcap stay the host's type.
+template <typename Set, typename T, bool APPROX = (Set::kMods & kModSoftcap) != 0 && sizeof(T) == 2>
+struct ForElement {
+    using type = Set;
+};
+template <typename Set, typename T>
+struct ForElement<Set, T, true> {
+    struct type : Set {
+        static constexpr bool kApproxTanh = true;
+    };
+};
 
 // Everything a thread needs to turn raw products q.k into log2-domain scores under the
 // option set Set (a ScoreMods).
@@ -76,6 +92,15 @@ struct ScoreOp {
         block_mask = (M & kModBlockMask) != 0 ? p.block_mask + hv.b * p.bm_sb + hv.h * p.bm_sh : nullptr;
     }
 
+    // softcap's tanh: one instruction on 16-bit inputs (ForElement), the library's otherwise.
+    static __device__ __forceinline__ Acc cap_tanh(Acc x) {
+        if constexpr (Set::kApproxTanh) {
+            return tanh_approx(x);
+        } else {
+            return tanh_acc(x);
+        }
+    }
+
     // bias[i, j] * log2(e).
     __device__ __forceinline__ Acc bias_log2(const Params& p, int i, int j) const {
         if constexpr ((M & kModBias) != 0) {
@@ -101,7 +126,7 @@ struct ScoreOp {
     __device__ __forceinline__ Acc value_at(Acc raw, Acc b_log2, Acc d) const {
         Acc s;
         if constexpr ((M & kModSoftcap) != 0) {
-            s = softcap * tanh_acc(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
+            s = softcap * cap_tanh(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
         } else {
             s = raw * scale_log2;
         }
@@ -149,7 +174,7 @@ struct ScoreOp {
                                            const Ops& ops) const {
         if constexpr ((M & kModSoftcap) != 0) {
             const Acc log2e = static_cast<Acc>(kLog2e);
-            each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * tanh_acc(x * scale * inv_softcap) * log2e; });
+            each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * cap_tanh(x * scale * inv_softcap) * log2e; });
         } else {
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x *= scale_log2; });
         }

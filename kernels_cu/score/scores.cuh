@@ -105,7 +105,7 @@ struct Scores {
             }
         }
         if constexpr ((kMods & kModSoftcap) != 0) {
-            const Acc th = tanh_acc(raw * op.scale * op.inv_softcap);
+            const Acc th = op.cap_tanh(raw * op.scale * op.inv_softcap);
             ds *= Acc(1) - th * th;
         }
     }
