@@ -11,6 +11,7 @@ for, each kernel's registers and spills from ptxas.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,26 @@ def _option_stand_in(name: str, value: Any) -> Any:
     if name in _VALUE_OPTIONS:
         return interop.to_numpy(value) if hasattr(value, "shape") else value
     return _stand_in(value) if name in ARRAY_OPTIONS else value
+
+
+def _mask_planes(pb: Problem, options: dict[str, Any]) -> tuple[int, int]:
+    """The tile maps' (batch, head) planes of a call with these options, from the caller's
+    mask and block mask (the problem holds zero-stride stand-ins): an axis before the last two
+    counts where it is longer than 1 and, for arrays with byte strides, not of stride 0."""
+    per_batch = per_head = False
+    for name in ("mask", "block_mask"):
+        x = options.get(name)
+        if x is None or not hasattr(x, "shape"):
+            continue
+        shape = tuple(x.shape)
+        strides = getattr(x, "strides", None)  # NumPy and CuPy; torch tensors: by shape alone
+        for axis, n in enumerate(shape[:-2]):
+            if n > 1 and (strides is None or strides[axis] != 0):
+                if len(shape) - axis == 3:
+                    per_head = True
+                else:
+                    per_batch = True
+    return (math.prod(pb.batch) if per_batch else 1), (pb.num_heads_q if per_head else 1)
 
 
 def parse_arch(arch: Any) -> int:
@@ -175,7 +196,8 @@ def explain(q: Any, k: Any, v: Any, *, arch: Any = None, backward: bool = True, 
                   pb.allow_tf32, S.force_portable(), score_set(pb), deterministic)
     fwd = S.choose_forward(call)
     bwd = S.choose_backward(call) if backward else None
-    launches = forward_launches(pb, fwd.spec) + (backward_launches(pb, bwd.spec) if bwd else [])
+    planes = _mask_planes(pb, options)
+    launches = forward_launches(pb, fwd.spec, planes) + (backward_launches(pb, bwd.spec, planes) if bwd else [])
     result = Explanation(_describe_call(pb, options, deterministic), where, cc, fwd, bwd,
                          [KernelLaunch(launch) for launch in launches])
     notes = []

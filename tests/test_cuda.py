@@ -483,6 +483,67 @@ def _structured_mask(rs: np.random.Generator, kind: str, shape: tuple[int, ...],
     return np.arange(lk) < keep[..., None]
 
 
+def _expected_tile_map(keep: np.ndarray, rows: int, cols: int, key_major: bool) -> np.ndarray:
+    """score/tile_map.cuh's map of a (planes..., Lq, Lk) keep array, in NumPy: per outer tile
+    (rows queries, or cols keys when key-major) and inner tile along the other axis, the first
+    position of a live tile at or after it, plus 1 where that tile is kept whole; the axis'
+    length in whole tiles where none is live."""
+    if key_major:
+        keep, outer, inner = keep.swapaxes(-1, -2), cols, rows
+    else:
+        outer, inner = rows, cols
+    n_outer, n_inner = -(-keep.shape[-2] // outer), -(-keep.shape[-1] // inner)
+    expected = np.empty(keep.shape[:-2] + (n_outer, n_inner), dtype=np.int32)
+    for plane in np.ndindex(keep.shape[:-2]):
+        for o in range(n_outer):
+            strip = keep[plane][o * outer:(o + 1) * outer]
+            entry = n_inner * inner
+            for n in reversed(range(n_inner)):
+                tile = strip[:, n * inner:(n + 1) * inner]
+                if tile.any():
+                    entry = n * inner | int(tile.all())
+                expected[plane + (o, n)] = entry
+    return expected
+
+
+@pytest.mark.parametrize("kind", ["documents", "tiles", "padding"])
+@pytest.mark.parametrize("with_block_mask", [False, True])
+def test_tile_maps_name_the_next_live_tile_and_whole_ones(kind, with_block_mask) -> None:
+    """Every tile map a forward and a deterministic backward launch (query-major for the
+    forward and dQ kernels, key-major for dK/dV) against its NumPy form: dead tiles skipped and
+    whole ones marked exactly, not merely a superset of the live ones."""
+    b, hq, lq, lk, d = 2, 2, 300, 517, 64
+    rs = np.random.default_rng(7)
+    shape = (b, 1, 1, lk) if kind == "padding" else (b, hq, lq, lk)
+    options: dict = {"mask": _structured_mask(rs, kind, shape, 64)}
+    keep = np.broadcast_to(options["mask"], (b, hq, lq, lk))
+    if with_block_mask:
+        options["block_size"] = 32
+        options["block_mask"] = rs.random((b, 1, -(-lq // 32), -(-lk // 32))) < 0.7
+        blocks = options["block_mask"].repeat(32, -2).repeat(32, -1)[..., :lq, :lk]
+        keep = keep & blocks
+    captured = []
+    fields_of = cuda._tile_map_fields
+
+    def capture(pb, maps, xp):
+        fields, arrays = fields_of(pb, maps, xp)
+        captured.extend(zip(maps, arrays))
+        return fields, arrays
+
+    case = _case((b, hq, lq, d), (b, hq, lk, d), **options)
+    q, k, v, dout = (cupy.asarray(x) for x in (case.q, case.k, case.v, case.dout))
+    with mock.patch.object(cuda, "_tile_map_fields", capture):
+        out, lse = fc.flash_attention_forward(q, k, v, backend="cuda", **_device_options(options))
+        fc.flash_attention_backward(dout, q, k, v, out, lse, deterministic=True, backend="cuda",
+                                    **_device_options(options))
+    assert {m.key_major for m, _ in captured} == {False, True}
+    for tile_map, array in captured:
+        got = array.get()
+        expected = _expected_tile_map(keep[:got.shape[0], :got.shape[1]], tile_map.rows, tile_map.cols,
+                                      tile_map.key_major)
+        np.testing.assert_array_equal(got, expected, err_msg=str(tile_map))
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
 @given(data=st.data())
 @settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)

@@ -118,3 +118,17 @@ def test_explain_compiles_for_registers_without_a_gpu() -> None:
     (launch,) = e.launches
     assert 0 < launch.registers <= 255 and launch.spill_bytes == 0
     assert f"{launch.registers} registers, 0 bytes spilled" in str(e)
+
+
+@pytest.mark.parametrize("mask_shape, planes", [
+    ((2, 8, 256, 300), 16), ((8, 256, 300), 8), ((2, 1, 1, 300), 2), ((256, 300), 1)])
+def test_explain_gives_tile_maps_a_plane_per_axis_the_mask_does_not_broadcast_over(mask_shape, planes) -> None:
+    """The masks' tile maps (score/tile_map.cuh) run before the kernels, one grid plane per
+    (batch, head) pair the mask varies over, as a real call launches them."""
+    q = np.zeros((2, 8, 256, 64), np.float16)
+    k = np.zeros((2, 8, 300, 64), np.float16)
+    e = fc.explain(q, k, k, arch=90, mask=np.ones(mask_shape, bool), deterministic=True)
+    maps = [launch for launch in e.launches if launch.role.endswith("tile map")]
+    assert [launch.role for launch in e.launches][0] == "forward tile map" and len(maps) == 3
+    assert all(launch.grid[1] * launch.grid[2] == planes for launch in maps)
+    assert [m.grid[0] for m in maps] == [256 // 64, -(-300 // 64), 256 // 64]  # row tiles, key blocks, row tiles

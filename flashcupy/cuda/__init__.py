@@ -157,8 +157,8 @@ def _mask_planes(pb: Problem) -> tuple[int, int]:
     return (math.prod(pb.batch) if per_batch else 1), (pb.num_heads_q if per_head else 1)
 
 
-def _map_launch(pb: Problem, family: str, tile_map: TileMap) -> Launch:
-    planes_b, planes_h = _mask_planes(pb)
+def _map_launch(pb: Problem, family: str, tile_map: TileMap, planes: tuple[int, int] | None) -> Launch:
+    planes_b, planes_h = _mask_planes(pb) if planes is None else planes
     return Launch(f"{family} tile map", family, tile_map.name,
                   _grid(tile_map.outer_tiles(pb.seqlen_q, pb.seqlen_k), planes_b * planes_h), TILE_MAP_THREADS, 0)
 
@@ -187,14 +187,16 @@ def forward_row_blocks(pb: Problem, spec: KernelSpec) -> int:
     return -(-pb.seqlen_q // spec.block_m)
 
 
-def forward_launches(pb: Problem, spec: KernelSpec) -> list[Launch]:
-    """The forward's launch for a problem (none when it has no row or head): row blocks
-    fastest in grid x, then Dv chunks; (batch, head) pairs over y and z."""
+def forward_launches(pb: Problem, spec: KernelSpec, planes: tuple[int, int] | None = None) -> list[Launch]:
+    """The forward's launches for a problem (none when it has no row or head): the tile map
+    where masks are given, then the kernel: row blocks fastest in grid x, then Dv chunks;
+    (batch, head) pairs over y and z. ``planes``: the tile map's (batch, head) planes where the
+    problem's masks do not tell (explain's stand-ins), else from them."""
     heads = math.prod(pb.batch) * pb.num_heads_q
     blocks = forward_row_blocks(pb, spec) * -(-pb.head_dim_v // spec.dv_tile)
     if not (heads and blocks):
         return []
-    return [*(_map_launch(pb, "forward", m) for m in spec.tile_maps),
+    return [*(_map_launch(pb, "forward", m, planes) for m in spec.tile_maps if pb.seqlen_k),
             Launch("forward", "forward", spec.name_expression, _grid(blocks, heads), spec.threads, spec.smem_bytes)]
 
 
@@ -210,8 +212,9 @@ def backward_blocks(pb: Problem, spec: BackwardSpec) -> tuple[int, int]:
     return -(-pb.seqlen_k // spec.block_r), -(-pb.seqlen_q // spec.block_r)
 
 
-def backward_launches(pb: Problem, spec: BackwardSpec) -> list[Launch]:
-    """The backward's launches for a problem, in order: D = rowsum(dO * O) (row blocks of
+def backward_launches(pb: Problem, spec: BackwardSpec, planes: tuple[int, int] | None = None) -> list[Launch]:
+    """The backward's launches for a problem, in order: the tile maps where masks are given
+    (``planes`` as in :func:`forward_launches`), D = rowsum(dO * O) (row blocks of
     ROW_PASS_ROWS), the dK/dV kernel (key blocks, then gradient chunks, per (batch, key
     head)), and dQ (the converter over the row blocks, or the query-major kernel), each left
     out where it has nothing to do."""
@@ -220,7 +223,7 @@ def backward_launches(pb: Problem, spec: BackwardSpec) -> list[Launch]:
     rows = _grid(-(-pb.seqlen_q // ROW_PASS_ROWS), heads)
     key_blocks, dq_row_blocks = backward_blocks(pb, spec)
     (delta_name, _), (dkdv_name, dkdv_smem), (dq_name, dq_smem) = spec.kernels
-    out = [_map_launch(pb, "backward", m) for m in spec.tile_maps] if heads and pb.seqlen_q and pb.seqlen_k else []
+    out = [_map_launch(pb, "backward", m, planes) for m in spec.tile_maps] if heads and pb.seqlen_q and pb.seqlen_k else []
     if heads and pb.seqlen_q:
         out.append(Launch("backward delta", "backward", delta_name, rows, ROW_PASS_THREADS, 0))
     if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros

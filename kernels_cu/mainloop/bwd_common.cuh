@@ -411,7 +411,7 @@ template <typename Set> constexpr bool kTwoPassElements = Set::kFull && (Set::kM
 // from S^T as soon as S^T has landed (while dP^T is still on the tensor cores), then dS^T from
 // P^T and dP^T. Each pass is inlined twice (by_tile): a fast tile (whole, inside the band, no
 // mask present or only a staged one) takes P = exp2(value(S) - lse2), 0 where the staged mask
-// says no, and dS = P (dP z - D) with no selection (dP is finite: P = 0 gives dS = 0);
+// says no, and dS = P (dP z - D), selected to 0 where P is (a staged mask's) alone;
 // elsewhere masked and padding scores get P = 0, and dS = 0 by selection on P (an overflowed
 // dP times P = 0 would be NaN; a kept score whose P underflows to 0 gets dS = 0 too, where the
 // one-pass form would carry an inf or NaN dP into it). z = keep / (1 - p) of dropout; the bias
@@ -500,7 +500,9 @@ struct OptionElements {
                     const Acc pe = s_t[mi][n][e];
                     const Acc z = Sc::kDropout ? ((keep >> e) & 1u ? dropout_scale : Acc(0)) : Acc(1);
                     Acc ds = pe * (dp_t[mi][n][e] * z - sDelta[c]);
-                    if (!FAST) ds = pe != Acc(0) ? ds : Acc(0);
+                    // P = 0 gives dS = 0 even where dP overflowed (0 * inf): off the fast path, and
+                    // on fast tiles with a staged mask, whose masked scores have P = 0 there.
+                    if (!FAST || Staged::kMask) ds = pe != Acc(0) ? ds : Acc(0);
                     score.derivative(blk.bp, ds, Acc(0), i0 + c, j, owner);  // dbias += dS
                     s_t[mi][n][e] = pe * z;
                     dp_t[mi][n][e] = ds;
