@@ -649,16 +649,17 @@ class _WgmmaBackwardRule(BackwardRule):
 def wgmma_backward_takes(hd: int, scores: ScoreSet) -> bool:
     """Whether the warpgroup dK/dV kernel takes calls of padded head dim ``hd`` with the
     options ``scores`` without a spill (ptxas, sm_90; 64-query tiles with options): at D = 64
-    every set; above, at most two options, dropout only alone or beside a bias, and not a mask
-    beside a block mask (12 bytes spill beside the tile map's walk; more options spill beside
-    the 128-wide dK and dV). The others take mma.sync. tests/test_kernels_compile.py compiles
-    every set this admits."""
-    if hd <= 64:
-        return True
+    every set but softcap with dropout and a mask or block mask (4 bytes spill beside the one
+    element pass); above, at most two options, dropout only alone or beside a bias, and neither
+    a mask beside a block mask nor softcap beside a mask (12 and 32 bytes spill; more options
+    spill beside the 128-wide dK and dV). The others take mma.sync.
+    tests/test_kernels_compile.py compiles every set this admits."""
     mods = set(scores.mods)
+    if hd <= 64:
+        return not ({"softcap", "dropout"} <= mods and mods & {"mask", "block_mask"})
     if "dropout" in mods:
         return mods <= {"dropout", "bias"}
-    return len(mods) <= 2 and mods != {"mask", "block_mask"}
+    return len(mods) <= 2 and mods not in ({"mask", "block_mask"}, {"softcap", "mask"})
 
 
 _BWD_BASE = ((64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))   # one role, 32 or 16 streamed rows
