@@ -15,8 +15,9 @@
 //                     whole (no mask read for it); a whole tile crossing no band
 //                     edge and without a block mask is a fast one: values() and, with a mask,
 //                     the mask's own selection from its staged tile, nothing else;
-//   forward transform masked_tile(s, ..., select, ops): raw products -> log2-domain scores,
-//                     -inf where the mask says no, and with `select` where the lengths, the
+//   forward transform masked_tile(s, ..., select, mask, ops): raw products -> log2-domain
+//                     scores, with `mask` (a tile the mask does not keep whole) -inf where the
+//                     mask says no, and with `select` where the lengths, the
 //                     band or the block mask say no (every tile but the fast ones), the bias
 //                     and mask read from the tile's operands staged in shared memory
 //                     (score/tiles.cuh);
