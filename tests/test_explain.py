@@ -132,3 +132,20 @@ def test_explain_gives_tile_maps_a_plane_per_axis_the_mask_does_not_broadcast_ov
     assert [launch.role for launch in e.launches][0] == "forward tile map" and len(maps) == 3
     assert all(launch.grid[1] * launch.grid[2] == planes for launch in maps)
     assert [m.grid[0] for m in maps] == [256 // 64, -(-300 // 64), 256 // 64]  # row tiles, key blocks, row tiles
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 8, 256, 300), (8, 256, 300), (2, 1, 1, 300), (256, 300), (2, 1, 256, 1)])
+def test_a_calls_tile_map_planes_are_what_explain_lists(mask_shape) -> None:
+    """The planes a real call's tile maps take (from the problem's mask views) and those
+    explain lists (from the caller's arrays) agree, a block mask counted as well."""
+    from flashcupy.cuda import _mask_planes
+    from flashcupy.problem import make_host_problem
+
+    q = np.zeros((2, 8, 256, 64), np.float16)
+    k = np.zeros((2, 8, 300, 64), np.float16)
+    options = {"mask": np.ones(mask_shape, bool), "block_mask": np.ones((1, 8, 4, 5), bool), "block_size": 64}
+    pb = make_host_problem(q, k, k, {**options, "backend": "cpu"})
+    e = fc.explain(q, k, k, arch=90, **options)
+    (tile_map,) = [launch for launch in e.launches if launch.role == "forward tile map"]
+    planes_b, planes_h = _mask_planes(pb)
+    assert planes_h == 8 and tile_map.grid[1] * tile_map.grid[2] == planes_b * planes_h
