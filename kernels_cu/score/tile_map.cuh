@@ -38,8 +38,6 @@ constexpr int kEntryWhole = 1;       // an entry's bit 0: the masks keep every s
 // stop as soon as the tile is known to be mixed.
 constexpr int kTileDead = 0, kTileMixed = 1, kTileWhole = 3;  // bit 0: some score kept; bit 1: all
 
-__device__ __forceinline__ int tile_class(bool any, bool all) { return all ? kTileWhole : any ? kTileMixed : kTileDead; }
-
 template <bool MASK, bool BLOCK_MASK>
 __device__ __forceinline__ int tile_kept(const Params& p, int b, int h, int i0, int i1, int j0, int j1) {
     const int lane = threadIdx.x & 31;
@@ -93,7 +91,7 @@ __device__ __forceinline__ int tile_kept(const Params& p, int b, int h, int i0, 
             all = __all_sync(0xffffffffu, all && every);
         }
     }
-    return tile_class(any, all);
+    return all ? kTileWhole : any ? kTileMixed : kTileDead;
 }
 
 // The forward problem of a launch's parameter block.
@@ -103,10 +101,10 @@ __device__ __forceinline__ const Params& problem_of(const BwdParams& bp) { retur
 // Writes the map of Params::tiles (query-major: outer tiles of TI queries, inner tiles of TJ
 // keys) or, KEY_MAJOR, of Params::tiles_t (outer tiles of TJ keys, inner tiles of TI queries).
 // Block: the launch's parameter block (Params, or the backward's BwdParams, whose launches share
-// one block); THREADS threads a block (the host's launch); grid: x = outer tiles, planes over y and z (plane = (b, h) with h fastest; the host's grid
-// covers the map's planes: one per axis a mask does not broadcast over). Each warp classifies
-// inner tiles in turn; warp 0 then turns the flags into next-live positions from the last
-// tile back, 32 at a time.
+// one block); THREADS threads a block (the host's launch); grid: x = outer tiles, planes over y
+// and z (plane = (b, h) with h fastest; the host's grid covers the map's planes: one per axis a
+// mask does not broadcast over). Each warp classifies inner tiles in turn; warp 0 then turns
+// the classes into entries from the last tile back, 32 at a time.
 template <int TI, int TJ, bool KEY_MAJOR, bool MASK, bool BLOCK_MASK, int THREADS, typename Block>
 __global__ void __launch_bounds__(THREADS) tile_map(const Block block) {
     const Params& p = problem_of(block);
@@ -153,15 +151,8 @@ __global__ void __launch_bounds__(THREADS) tile_map(const Block block) {
                 if (live != 0) next = (base + __ffs(live) - 1) * INNER | int((whole >> (__ffs(live) - 1)) & 1u);
             }
         }
-        __syncthreads();  // the flags are read before the next pass overwrites them
+        __syncthreads();  // the classes are read before the next pass overwrites them
     }
-}
-
-// The map entry of key tile j (a multiple of BLOCK_N, below kv_len) for query tile i0 (a
-// multiple of BLOCK_M).
-template <int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ int key_tile_entry(const Params& p, const HeadView& hv, int i0, int j) {
-    return p.tiles[hv.b * p.tiles_sb + hv.h * p.tiles_sh + (i0 / BLOCK_M) * p.tiles_so + j / BLOCK_N];
 }
 
 // A key tile a forward block walks: its first key j, and whether the mask keeps every score
@@ -176,7 +167,8 @@ struct KeyTile {
 template <int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ KeyTile next_live_key_tile(const Params& p, const HeadView& hv, int i0, int j, int hi) {
     if (j >= hi) return {hi, false};
-    const int entry = key_tile_entry<BLOCK_M, BLOCK_N>(p, hv, i0, j);
+    const i32* row = p.tiles + hv.b * p.tiles_sb + hv.h * p.tiles_sh + (i0 / BLOCK_M) * p.tiles_so;
+    const int entry = row[j / BLOCK_N];
     return {min(entry & ~kEntryWhole, hi), (entry & kEntryWhole) != 0};
 }
 
