@@ -43,7 +43,7 @@ def _option_stand_in(name: str, value: Any) -> Any:
     return _stand_in(value) if name in ARRAY_OPTIONS else value
 
 
-def _mask_planes(pb: Problem, options: dict[str, Any]) -> tuple[int, int]:
+def _caller_mask_planes(pb: Problem, options: dict[str, Any]) -> tuple[int, int]:
     """The tile maps' (batch, head) planes of a call with these options, from the caller's
     mask and block mask (the problem holds zero-stride stand-ins): an axis before the last two
     counts where it is longer than 1 and, for arrays with byte strides, not of stride 0."""
@@ -196,7 +196,7 @@ def explain(q: Any, k: Any, v: Any, *, arch: Any = None, backward: bool = True, 
                   pb.allow_tf32, S.force_portable(), score_set(pb), deterministic)
     fwd = S.choose_forward(call)
     bwd = S.choose_backward(call) if backward else None
-    planes = _mask_planes(pb, options)
+    planes = _caller_mask_planes(pb, options)
     launches = forward_launches(pb, fwd.spec, planes) + (backward_launches(pb, bwd.spec, planes) if bwd else [])
     result = Explanation(_describe_call(pb, options, deterministic), where, cc, fwd, bwd,
                          [KernelLaunch(launch) for launch in launches])

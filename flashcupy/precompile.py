@@ -114,7 +114,7 @@ def kernels_for(dtypes: Iterable[str], head_dims: Iterable[int], arch: int, smem
                     found.setdefault(("forward", spec.name_expression),
                                      Kernel("forward", spec.name_expression, spec.smem_bytes))
                     for m in spec.tile_maps:
-                        found.setdefault(("forward", m.name), Kernel("forward", m.name, 0))
+                        found.setdefault((m.family, m.name), Kernel(m.family, m.name, 0))
                     for deterministic in (False, True) if backward else ():
                         bspec = select_backward(dtype, d, d, arch, smem_limit, allow_tf32,
                                                 deterministic=deterministic, scores=score_set)

@@ -157,9 +157,9 @@ def _mask_planes(pb: Problem) -> tuple[int, int]:
     return (math.prod(pb.batch) if per_batch else 1), (pb.num_heads_q if per_head else 1)
 
 
-def _map_launch(pb: Problem, family: str, tile_map: TileMap, planes: tuple[int, int] | None) -> Launch:
+def _map_launch(pb: Problem, tile_map: TileMap, planes: tuple[int, int] | None) -> Launch:
     planes_b, planes_h = _mask_planes(pb) if planes is None else planes
-    return Launch(f"{family} tile map", family, tile_map.name,
+    return Launch(f"{tile_map.family} tile map", tile_map.family, tile_map.name,
                   _grid(tile_map.outer_tiles(pb.seqlen_q, pb.seqlen_k), planes_b * planes_h), TILE_MAP_THREADS, 0)
 
 
@@ -196,7 +196,7 @@ def forward_launches(pb: Problem, spec: KernelSpec, planes: tuple[int, int] | No
     blocks = forward_row_blocks(pb, spec) * -(-pb.head_dim_v // spec.dv_tile)
     if not (heads and blocks):
         return []
-    return [*(_map_launch(pb, "forward", m, planes) for m in spec.tile_maps if pb.seqlen_k),
+    return [*(_map_launch(pb, m, planes) for m in spec.tile_maps if pb.seqlen_k),
             Launch("forward", "forward", spec.name_expression, _grid(blocks, heads), spec.threads, spec.smem_bytes)]
 
 
@@ -223,7 +223,7 @@ def backward_launches(pb: Problem, spec: BackwardSpec, planes: tuple[int, int] |
     rows = _grid(-(-pb.seqlen_q // ROW_PASS_ROWS), heads)
     key_blocks, dq_row_blocks = backward_blocks(pb, spec)
     (delta_name, _), (dkdv_name, dkdv_smem), (dq_name, dq_smem) = spec.kernels
-    out = [_map_launch(pb, "backward", m, planes) for m in spec.tile_maps] if heads and pb.seqlen_q and pb.seqlen_k else []
+    out = [_map_launch(pb, m, planes) for m in spec.tile_maps] if heads and pb.seqlen_q and pb.seqlen_k else []
     if heads and pb.seqlen_q:
         out.append(Launch("backward delta", "backward", delta_name, rows, ROW_PASS_THREADS, 0))
     if kv_heads and pb.seqlen_k:  # with no query the blocks attend nothing and write zeros

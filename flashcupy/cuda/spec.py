@@ -146,6 +146,11 @@ class TileMap(NamedTuple):
     backward: bool
 
     @property
+    def family(self) -> str:
+        """The source family it is compiled and launched with: its kernels'."""
+        return "backward" if self.backward else "forward"
+
+    @property
     def name(self) -> str:
         """The name expression of the map kernel."""
         flag = lambda b: "true" if b else "false"  # noqa: E731
@@ -863,9 +868,9 @@ def all_kernels(arch: int) -> list[tuple[str, str, int]]:
     kernels = {}
     for s in all_forward_specs(arch):
         kernels[s.name_expression] = ("forward", s.name_expression, s.smem_bytes)
-        kernels.update({("forward", m.name): ("forward", m.name, 0) for m in s.tile_maps})
+        kernels.update({(m.family, m.name): (m.family, m.name, 0) for m in s.tile_maps})
     for s in all_backward_specs(arch):
         for name, smem in s.kernels:
             kernels[name] = ("backward", name, smem)
-        kernels.update({("backward", m.name): ("backward", m.name, 0) for m in s.tile_maps})
+        kernels.update({(m.family, m.name): (m.family, m.name, 0) for m in s.tile_maps})
     return sorted(kernels.values())
