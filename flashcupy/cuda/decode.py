@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..problem import Problem, accumulator_dtype
-from . import _dtype_name, _empty, device_limits
+from . import _dtype_name, _elem_strides, _empty, device_limits
 from . import params as P
 from .compile import get_function, kernel_args, launch_ptr
 from .spec import CXX_TYPE
@@ -189,16 +189,16 @@ class DecodePlan:
         self.slots = _resident_blocks(self.device_id, self.smem, int(getattr(self.split_fn, "num_regs", 0)))
         #: q is copied when its last axis is strided (the kernels read 16-byte chunks).
         self.copy_q = q.strides[-1] != q.itemsize
-        q_strides = _elements(q) if not self.copy_q else _packed(q.shape)
+        q_strides = _elem_strides(q) if not self.copy_q else _packed(q.shape)
         fields = dict(scale=pb.scale, softcap=pb.softcap or 0.0, batch=batch, hq=hq, hk=self.hk, lq=lq, d=d,
                       dv=self.dv, causal=P.CAUSAL_CODE[pb.causal], page=page, bt_sb=table_stride,
                       keys_add=self.new, capacity=capacity, num_blocks=num_blocks)
         #: k and v (the new keys) are copied when their last axis is strided (the append reads rows).
         self.copy_new = self.new and (k.strides[-1] != k.itemsize or v.strides[-1] != v.itemsize)
-        rows = [("q", q_strides), ("k", _elements(k_cache)), ("v", _elements(v_cache))]
+        rows = [("q", q_strides), ("k", _elem_strides(k_cache)), ("v", _elem_strides(v_cache))]
         if self.new:
-            rows += [("kn", _elements(k) if not self.copy_new else _packed(k.shape)),
-                     ("vn", _elements(v) if not self.copy_new else _packed(v.shape))]
+            rows += [("kn", _elem_strides(k) if not self.copy_new else _packed(k.shape)),
+                     ("vn", _elem_strides(v) if not self.copy_new else _packed(v.shape))]
         for prefix, strides in rows:
             for axis, stride in zip(("sb", "sh", "sr"), strides[:3]):
                 fields[f"{prefix}_{axis}"] = stride
@@ -259,11 +259,6 @@ class DecodePlan:
             launch_ptr(self.merge_ptr, (self.rows,), THREADS, args, 0, stream)
         del part, keep  # CuPy's pool hands freed memory only to later work on the stream
         return out, lse
-
-
-def _elements(x: Any) -> tuple[int, ...]:
-    """An array's strides in elements."""
-    return tuple(s // x.itemsize for s in x.strides)
 
 
 def _packed(shape: tuple[int, ...]) -> tuple[int, ...]:
