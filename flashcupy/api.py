@@ -293,6 +293,7 @@ def dropout_mask(shape: tuple[int, ...], p: float, seed: int, offset: int = 0):
 
     Element (bh, i, j), bh the flat index over the leading dims, comes from
     Philox4x32-10 with key (seed mod 2^32, seed >> 32) and counter
-    (j >> 2, i, bh, offset): kept when word j & 3 >= round(p * 2^32).
+    (j >> 3, i, bh, offset): kept when 16-bit half j & 7 of the output (low half
+    of word 0 first) is >= round(p * 2^16). docs/semantics.md#dropout-bits.
     """
     return rng.dropout_mask(shape, p, seed, offset)

@@ -286,8 +286,9 @@ def _numba_kernels():
         m0, m1 = np.uint64(rng.PHILOX_M0), np.uint64(rng.PHILOX_M1)
         w0, w1 = np.uint64(rng.PHILOX_W0), np.uint64(rng.PHILOX_W1)
         low, shift, zero = np.uint64(0xFFFFFFFF), np.uint64(32), z.dtype.type(0)
-        for group in range(j0 >> 2, ((j0 + n - 1) >> 2) + 1):  # one Philox call: keys 4 group .. 4 group + 3
-            first = 4 * group - j0
+        half = np.uint64(0xFFFF)
+        for group in range(j0 >> 3, ((j0 + n - 1) >> 3) + 1):  # one Philox call: keys 8 group .. 8 group + 7
+            first = 8 * group - j0
             for i in range(cols):
                 c0, c1, c2, c3 = np.uint64(group), np.uint64(i0 + i), np.uint64(bh), np.uint64(offset)
                 k0, k1 = np.uint64(key0), np.uint64(key1)
@@ -295,14 +296,10 @@ def _numba_kernels():
                     p0, p1 = m0 * c0, m1 * c2
                     c0, c1, c2, c3 = (p1 >> shift) ^ c1 ^ k0, p1 & low, (p0 >> shift) ^ c3 ^ k1, p0 & low
                     k0, k1 = (k0 + w0) & low, (k1 + w1) & low
-                if 0 <= first < n:
-                    z[first, i] = scale if c0 >= threshold else zero
-                if 0 <= first + 1 < n:
-                    z[first + 1, i] = scale if c1 >= threshold else zero
-                if 0 <= first + 2 < n:
-                    z[first + 2, i] = scale if c2 >= threshold else zero
-                if 0 <= first + 3 < n:
-                    z[first + 3, i] = scale if c3 >= threshold else zero
+                for w, word in enumerate((c0, c1, c2, c3)):  # key 2 w + h: half h of word w, low half first
+                    for h in range(2):
+                        if 0 <= first + 2 * w + h < n:
+                            z[first + 2 * w + h, i] = scale if (word >> np.uint64(16 * h)) & half >= threshold else zero
 
     def dropout_scale(z, seed, offset, bh, i0, j0, p):
         philox_keep(z, seed & 0xFFFFFFFF, seed >> 32, offset, bh, i0, j0, rng.dropout_threshold(p),

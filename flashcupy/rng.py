@@ -13,15 +13,18 @@ Dropout layout (shared bit for bit with the CUDA kernels)
 --------------------------------------------------------
 For an attention-score tensor of shape ``(..., Hq, Lq, Lk)`` the element at
 ``(bh, i, j)`` -- ``bh`` the C-order flat index over the leading dimensions,
-``i`` the query row, ``j`` the key column -- is decided by one Philox call::
+``i`` the query row, ``j`` the key column -- is decided by one 16-bit half of
+a Philox output::
 
     key     = (seed mod 2**32, seed >> 32)            # seed in [0, 2**64)
-    counter = (j >> 2, i, bh, offset)                  # offset in [0, 2**32)
-    x       = output word number (j & 3)
-    keep    = x >= t,  t = min(round(p * 2**32), 2**32 - 1)
+    counter = (j >> 3, i, bh, offset)                  # offset in [0, 2**32)
+    x       = 16-bit half (j & 1) of output word (j >> 1) & 3 (half 0 the low one)
+    keep    = x >= t,  t = min(round(p * 2**16), 2**16 - 1)
 
-so one Philox call serves four consecutive columns.  ``True`` means kept; a
-kept element is scaled by ``1 / (1 - p)`` by the caller.
+so one Philox call serves eight consecutive columns.  ``True`` means kept; a
+kept element is scaled by ``1 / (1 - p)`` by the caller.  p is thus drawn at
+a resolution of 2**-16: the keep probability is 1 - t / 2**16, within 2**-17
+of 1 - p (and p below 2**-17 drops nothing).
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
 
+# Columns one Philox call decides: four 32-bit words of two 16-bit halves each.
+_GROUP = 8
+
+_U16_LIMIT = 1 << 16
 _U32_LIMIT = 1 << 32
 _U64_LIMIT = 1 << 64
 _M0 = np.uint64(PHILOX_M0)
@@ -91,6 +98,21 @@ def _philox_u32(
             hi1, lo1 = _mulhilo(c2, _M1)
             c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
     return c0, c1, c2, c3
+
+
+def _halves(
+    words: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+) -> np.ndarray:
+    """The eight 16-bit halves of Philox's four words, in column order, on a new last axis.
+
+    Column c of a group is half (c & 1) of word c >> 1, the low half first:
+    the uint16 view of little-endian uint32 words in word order.
+    """
+    shape = np.broadcast_shapes(*(w.shape for w in words))
+    stacked = np.empty(shape + (4,), dtype="<u4")
+    for n, w in enumerate(words):
+        stacked[..., n] = w
+    return stacked.view("<u2")
 
 
 def _as_u32(value: object, name: str) -> np.ndarray:
@@ -161,7 +183,7 @@ def _check_int(value: object, name: str, limit: int) -> int:
 
 
 def dropout_threshold(p: float) -> int:
-    """uint32 threshold t = min(round(p * 2**32), 2**32 - 1); keep iff x >= t.
+    """16-bit threshold t = min(round(p * 2**16), 2**16 - 1); keep iff x >= t.
 
     Raises:
         TypeError: ``p`` is not a real number.
@@ -179,7 +201,7 @@ def dropout_threshold(p: float) -> int:
         raise ValueError(f"dropout_p must be in [0, 1), received an int of {len(str(p))} digits") from None
     if not (0.0 <= p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), received {p!r}")
-    return min(round(p * _U32_LIMIT), _U32_LIMIT - 1)
+    return min(round(p * _U16_LIMIT), _U16_LIMIT - 1)
 
 
 def _index_array(value: object, name: str, limit: int) -> np.ndarray:
@@ -201,8 +223,8 @@ def _index_array(value: object, name: str, limit: int) -> np.ndarray:
 def _contiguous_start(j: np.ndarray, rest_shape: tuple[int, ...]) -> int | None:
     """First column if ``j`` is a consecutive range along the last output axis.
 
-    Only then can Philox be evaluated once per group of four columns and the
-    words interleaved; ``rest_shape`` (the broadcast shape of bh and i) must
+    Only then can Philox be evaluated once per group of eight columns and the
+    halves interleaved; ``rest_shape`` (the broadcast shape of bh and i) must
     not vary along that axis.  Returns None when the fast path does not apply.
     """
     if j.ndim == 0 or j.size != j.shape[-1] or j.size == 0:
@@ -224,7 +246,7 @@ def dropout_keep(
         seed: int in [0, 2**64); key = (seed mod 2**32, seed >> 32).
         offset: int in [0, 2**32); counter word 3.
         bh, i, j: integer arrays (broadcastable), bh and i in [0, 2**32),
-            j in [0, 2**34).  Typical tile use: bh scalar, i shape (Lq, 1),
+            j in [0, 2**35).  Typical tile use: bh scalar, i shape (Lq, 1),
             j shape (1, Lk).
         p: dropout probability in [0, 1).
 
@@ -236,7 +258,7 @@ def dropout_keep(
     t = dropout_threshold(p)
     bh_a = _index_array(bh, "bh", _U32_LIMIT)
     i_a = _index_array(i, "i", _U32_LIMIT)
-    j_a = _index_array(j, "j", 4 * _U32_LIMIT)
+    j_a = _index_array(j, "j", _GROUP * _U32_LIMIT)
     out_shape = np.broadcast_shapes(bh_a.shape, i_a.shape, j_a.shape)
     if math.prod(out_shape) == 0:
         return np.zeros(out_shape, dtype=bool)
@@ -246,31 +268,27 @@ def dropout_keep(
     c1 = i_a.astype(np.uint32)
     c2 = bh_a.astype(np.uint32)
     c3 = np.uint32(offset)
-    thr = np.uint32(t)
+    thr = np.uint16(t)
 
     rest_shape = np.broadcast_shapes(bh_a.shape, i_a.shape)
     j0 = _contiguous_start(j_a, rest_shape)
     if j0 is not None:
         n = j_a.size
-        g0 = j0 >> 2
-        ng = ((j0 + n - 1) >> 2) - g0 + 1
+        g0 = j0 // _GROUP
+        ng = (j0 + n - 1) // _GROUP - g0 + 1
         groups = np.arange(g0, g0 + ng, dtype=np.uint32).reshape(
             (1,) * (j_a.ndim - 1) + (ng,)
         )
-        words = _philox_u32(groups, c1, c2, c3, k0, k1)
-        gshape = np.broadcast_shapes(*(w.shape for w in words))
-        keep4 = np.empty(gshape + (4,), dtype=bool)
-        for lane, w in enumerate(words):
-            np.greater_equal(w, thr, out=keep4[..., lane])
-        keep = keep4.reshape(gshape[:-1] + (4 * ng,))
-        start = j0 - 4 * g0
+        halves = _halves(_philox_u32(groups, c1, c2, c3, k0, k1))
+        keep = halves.reshape(halves.shape[:-2] + (_GROUP * ng,)) >= thr
+        start = j0 - _GROUP * g0
         keep = keep[..., start : start + n]
         return np.ascontiguousarray(np.broadcast_to(keep, out_shape))
 
-    groups = (j_a >> 2).astype(np.uint32)
-    lanes = (j_a & 3).astype(np.intp)
-    words = _philox_u32(groups, c1, c2, c3, k0, k1)
-    keep = np.choose(lanes, [w >= thr for w in words])
+    groups = (j_a // _GROUP).astype(np.uint32)
+    halves = _halves(_philox_u32(groups, c1, c2, c3, k0, k1))
+    which = (j_a % _GROUP)[..., None]
+    keep = np.take_along_axis(halves, np.broadcast_to(which, halves.shape[:-1] + (1,)), axis=-1)[..., 0] >= thr
     return np.ascontiguousarray(np.broadcast_to(keep, out_shape))
 
 
@@ -297,7 +315,7 @@ def _check_shape(shape: object) -> tuple[int, ...]:
     too_big = (
         math.prod(dims[:-2]) > _U32_LIMIT
         or dims[-2] > _U32_LIMIT
-        or dims[-1] > 4 * _U32_LIMIT
+        or dims[-1] > _GROUP * _U32_LIMIT
     )
     if too_big:
         raise ValueError(f"shape is too large for the Philox counter layout: {dims!r}")

@@ -1,9 +1,9 @@
 // Philox4x32-10 (Salmon et al. 2011; cuRAND's Philox4_32_10), the generator of the dropout keep
-// bits (Scores::keep4 and keep4_transposed, score/scores.cuh, take the keep test).
+// bits (Scores::keep_byte, score/scores.cuh, takes the keep test).
 //
 // The bits are the contract of docs/semantics.md#dropout-bits, shared with flashcupy/rng.py:
-//   key = (seed mod 2^32, seed >> 32), counter = (j >> 2, i, bh, offset),
-//   keep(i, j) = word (j & 3) of Philox(counter, key) >= threshold.
+//   key = (seed mod 2^32, seed >> 32), counter = (j >> 3, i, bh, offset),
+//   keep(i, j) = 16-bit half (j & 1) of word ((j >> 1) & 3) of Philox(counter, key) >= threshold.
 #pragma once
 
 #include "params.cuh"

@@ -82,17 +82,21 @@ struct OnlineSoftmax {
             m[r] = m_new;
             l[r] *= alpha[r];
         }
+        static_assert(NP % 2 == 0, "dropout's keep bits come two key tiles a call");
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
+            unsigned keep = 0;
 #pragma unroll
             for (int n = 0; n < NP; ++n) {
-                const unsigned keep = scores.keep4(r0 + 16 * mi, jt0 + 8 * n + 2 * t);  // bit e: element e survives dropout
+                // Bit 4 (n & 1) + e: element e survives dropout.
+                if (n % 2 == 0) keep = scores.keep8(r0 + 16 * mi, jt0 + 8 * n + 2 * t);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int x = 2 * mi + (e >> 1);
                     const Acc pe = softmax_exp2(sp[mi][n][e] - m_safe[x]);  // P = exp2(S - m)
                     l[x] += pe;                                           // lse is taken before dropout
-                    sp[mi][n][e] = (keep >> e) & 1u ? pe : Acc(0);  // dropped; 1 / (1 - p) is applied once at the end
+                    // Dropped: 0; 1 / (1 - p) is applied once at the end.
+                    sp[mi][n][e] = (keep >> (4 * (n & 1) + e)) & 1u ? pe : Acc(0);
                 }
             }
         }

@@ -66,9 +66,9 @@ def ref_philox(ctr: tuple[int, ...], key: tuple[int, int]) -> tuple[int, ...]:
 
 def ref_keep(seed: int, offset: int, bh: int, i: int, j: int, p: float) -> bool:
     """Scalar restatement of the dropout contract."""
-    t = min(round(p * 2**32), 2**32 - 1)
-    words = ref_philox((j >> 2, i, bh, offset), (seed & MASK32, seed >> 32))
-    return words[j & 3] >= t
+    t = min(round(p * 2**16), 2**16 - 1)
+    words = ref_philox((j >> 3, i, bh, offset), (seed & MASK32, seed >> 32))
+    return (words[(j >> 1) & 3] >> (16 * (j & 1))) & 0xFFFF >= t
 
 
 # --------------------------------------------------------------------------
@@ -151,11 +151,12 @@ def test_philox_rejects_bad_words(counter, key, exc):
     "p,t",
     [
         (0.0, 0),
-        (0.5, 2**31),
-        (0.25, 2**30),
-        (0.1, round(0.1 * 2**32)),
-        (1.0 - 2**-40, 2**32 - 1),
-        (np.float32(0.5), 2**31),
+        (0.5, 2**15),
+        (0.25, 2**14),
+        (0.1, round(0.1 * 2**16)),
+        (2**-18, 0),  # below the resolution: nothing is dropped
+        (1.0 - 2**-20, 2**16 - 1),
+        (np.float32(0.5), 2**15),
         (0, 0),
     ],
 )
@@ -194,9 +195,9 @@ def test_keep_rate_within_binomial_bounds(p):
     mean = n * (1 - p)
     sigma = math.sqrt(n * p * (1 - p))
     assert abs(kept - mean) <= 5 * sigma
-    # Every word lane (j & 3) on its own must also be unbiased.
-    for lane in range(4):
-        sub = mask[..., lane::4]
+    # Every 16-bit half (j & 7) on its own must also be unbiased.
+    for half in range(8):
+        sub = mask[..., half::8]
         m = sub.size
         assert abs(int(sub.sum()) - m * (1 - p)) <= 5 * math.sqrt(m * p * (1 - p))
 
@@ -322,7 +323,7 @@ def _ref_grid(seed, offset, bh, i, j, p):
         (np.arange(5).reshape(1, -1), np.arange(3, 9).reshape(-1, 1)),  # transposed
         (np.array([3, 1, 4, 1, 5]), np.array([2, 7, 1, 8, 2])),  # elementwise
         (2, np.arange(13)),  # 1-D row
-        (np.arange(3).reshape(3, 1), np.arange(2**34 - 6, 2**34)),  # near j limit
+        (np.arange(3).reshape(3, 1), np.arange(2**35 - 6, 2**35)),  # near j limit
     ],
 )
 def test_dropout_keep_arbitrary_indices(i, j):

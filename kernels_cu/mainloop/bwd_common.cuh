@@ -377,11 +377,13 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
     const bool owner = blk.chunk == 0;
     const int i0 = tile.i0, i1 = tile.i1, key_end = blk.j0 + blk.keys_valid;
     // Rows of S^T are keys j, columns queries i0 + c (each_element's layout).
+    static_assert(NT % 2 == 0, "dropout's keep bits come two query tiles a call");
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
+        unsigned keep = 0;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const unsigned keep = score.keep4_transposed(r0 + 16 * mi, i0 + 8 * n + 2 * t);  // bit e: kept
+            if (n % 2 == 0) keep = score.keep8_transposed(r0 + 16 * mi, i0 + 8 * n + 2 * t);  // bit 4 (n & 1) + e: kept
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
@@ -392,7 +394,7 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
                               - sLset[c];
                 const bool live = fast || x != neg_inf<Acc>();
                 const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
-                const Acc z = Sc::kDropout ? ((keep >> e) & 1u ? dropout_scale : Acc(0)) : Acc(1);
+                const Acc z = Sc::kDropout ? ((keep >> (4 * (n & 1) + e)) & 1u ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = live ? pe * (dp_t[mi][n][e] * z - sDeltat[c]) : Acc(0);  // dS^T = P^T (dP^T z - D)
                 score.derivative(bp, ds, raw, i, j, owner);  // dbias += dS; softcap's chain rule
                 s_t[mi][n][e] = pe * z;  // P' = P z
@@ -489,16 +491,18 @@ struct OptionElements {
     __device__ __forceinline__ void gradients(const bool FAST, Acc dropout_scale, Acc (&s_t)[MI][NT][4],
                                               Acc (&dp_t)[MI][NT][4]) const {
         const bool owner = blk.chunk == 0;
+        static_assert(NT % 2 == 0, "dropout's keep bits come two query tiles a call");
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
+            unsigned keep = 0;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                const unsigned keep = score.keep4_transposed(r0 + 16 * mi, i0 + 8 * n + 2 * t);  // bit e: kept
+                if (n % 2 == 0) keep = score.keep8_transposed(r0 + 16 * mi, i0 + 8 * n + 2 * t);  // bit 4 (n & 1) + e: kept
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1);
                     const Acc pe = s_t[mi][n][e];
-                    const Acc z = Sc::kDropout ? ((keep >> e) & 1u ? dropout_scale : Acc(0)) : Acc(1);
+                    const Acc z = Sc::kDropout ? ((keep >> (4 * (n & 1) + e)) & 1u ? dropout_scale : Acc(0)) : Acc(1);
                     Acc ds = pe * (dp_t[mi][n][e] * z - sDelta[c]);
                     // P = 0 gives dS = 0 even where dP overflowed (0 * inf): off the fast path, and
                     // on fast tiles with a staged mask, whose masked scores have P = 0 there.

@@ -25,8 +25,8 @@
 //                     backward's element pass);
 //   derivative        derivative(bp, ds, raw, i, j, owner): the bias gradient's accumulation
 //                     (dbias += dS) and dS through softcap's d(c tanh(x / c)) / dx;
-//   dropout on P      keep4(i, j): the keep bits of a thread's four elements of an
-//                     accumulator tile; keep4_transposed(j, i) of a transposed one (S^T).
+//   dropout on P      keep8(i, j): the keep bits of a thread's elements of two accumulator
+//                     tiles side by side; keep8_transposed(j, i) of transposed ones (S^T).
 #pragma once
 
 #include "../bwd_params.cuh"
@@ -111,55 +111,62 @@ struct Scores {
         }
     }
 
-    // Bit e of the result: element e of a thread's accumulator quad, rows i and i + 8, keys j
-    // and j + 1 (j = a multiple of 8 plus 2 t, t = lane % 4), survives dropout. The lanes of a
-    // column pair t and t ^ 1 hold keys j and j + 1 of one group of four (j >> 2 alike), whose
-    // keep bits one Philox call gives per row: the even lane makes row i's call and the odd one
-    // row i + 8's, and each sends the other the two bits it needs in one shuffle, half of the
-    // Philox work of a call per row. Every lane of the warp calls it.
-    __device__ __forceinline__ unsigned keep4(int i, int j) const {
-        unsigned keep = 0xfu;
+    // Bit k of the result: key 8 group + k of query row `row` survives dropout, k in [0, 8):
+    // the eight 16-bit halves of one Philox call, low half of word 0 first, against the
+    // threshold (docs/semantics.md#dropout-bits).
+    __device__ __forceinline__ unsigned keep_byte(u32 group, u32 row) const {
+        const Philox4 r = philox4x32_10(group, row, hv.bh, p.dropout_offset, static_cast<u32>(p.seed),
+                                        static_cast<u32>(p.seed >> 32));
+        const u32 th = p.dropout_threshold, words[4] = {r.x, r.y, r.z, r.w};
+        unsigned bits = 0;
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+            bits |= unsigned((words[w] & 0xffffu) >= th) << (2 * w) | unsigned((words[w] >> 16) >= th) << (2 * w + 1);
+        return bits;
+    }
+
+    // One step of an 8-bit matrix transpose across lanes (row: lane, column: bit): the lane
+    // and its partner `lanes` away swap their off-diagonal blocks of `width` bits. `upper`:
+    // this lane is the pair's second; `low` masks the first block of every pair of blocks.
+    static __device__ __forceinline__ unsigned swap_blocks(unsigned bits, bool upper, int lanes, int width,
+                                                           unsigned low) {
+        const unsigned got = __shfl_xor_sync(0xffffffffu, upper ? bits & low : (bits >> width) & low, lanes);
+        return upper ? (bits & ~low & 0xffu) | got : (bits & low) | got << width;
+    }
+
+    // Bits 4 u + e of the result: element e of a thread's accumulator quads of key tiles n + u,
+    // u in {0, 1}: rows i and i + 8, keys j + 8 u and j + 8 u + 1 (j = a multiple of 8 plus
+    // 2 t, t = lane % 4). The four calls they need (rows i, i + 8 x tiles n, n + 1) are made
+    // once in the quad, lane c making call c (row i + 8 (c & 1), tile n + (c >> 1)), and their
+    // 2-bit key pairs transposed across the quad in two shuffles: lane t takes pair t of each
+    // call, one call per eight scores a lane. Every lane of the warp calls it.
+    __device__ __forceinline__ unsigned keep8(int i, int j) const {
+        unsigned keep = 0xffu;
         if constexpr (kDropout) {
-            const unsigned odd = threadIdx.x & 1u;  // t & 1: keys j & 3 = 2 odd
-            const u32 th = p.dropout_threshold;
-            const Philox4 r = philox4x32_10(static_cast<u32>(j) >> 2, static_cast<u32>(i) + 8u * odd, hv.bh,
-                                            p.dropout_offset, static_cast<u32>(p.seed),
-                                            static_cast<u32>(p.seed >> 32));
-            // Bit k: key 4 (j >> 2) + k of this lane's row survives.
-            const unsigned bits = unsigned(r.x >= th) | unsigned(r.y >= th) << 1 | unsigned(r.z >= th) << 2
-                                  | unsigned(r.w >= th) << 3;
-            // The even lane needs row i + 8's keys 0, 1 from the odd one; the odd lane row i's keys 2, 3.
-            const unsigned got = __shfl_xor_sync(0xffffffffu, odd ? bits & 3u : bits >> 2, 1);
-            keep = odd ? got | (bits & 0xcu) : (bits & 3u) | got << 2;
+            const unsigned c = threadIdx.x & 3u;
+            keep = keep_byte((static_cast<u32>(j) >> 3) + (c >> 1), static_cast<u32>(i) + 8u * (c & 1u));
+            keep = swap_blocks(keep, c & 2u, 2, 4, 0x0fu);  // pairs 2, 3 of calls 0, 1 <-> pairs 0, 1 of calls 2, 3
+            keep = swap_blocks(keep, c & 1u, 1, 2, 0x33u);  // pair 1 of call 0 <-> pair 0 of call 1, and so on
         }
         return keep;
     }
 
-    // Bit e of the result: element e of a thread's quad of a transposed accumulator tile
-    // (S^T: rows keys j and j + 8, columns queries i and i + 1; j = a multiple of 16 plus the
-    // lane's group g = lane / 4, i even) survives dropout. Four consecutive keys from a
-    // multiple of 4 share one Philox call (word j & 3 of the call for (i, j >> 2)), and the
-    // four lanes holding them (groups g = 4k .. 4k + 3, one column pair t) need the same four
-    // calls: each lane makes one (call c: query i + (c & 1), keys + 8 (c >> 1), that is its
-    // element e = c) and the four trade words in four shuffles, a quarter of keep()'s Philox
-    // work. Every lane of the warp calls it.
-    __device__ __forceinline__ unsigned keep4_transposed(int j, int i) const {
-        unsigned keep = 0xfu;
+    // Bits 4 u + e of the result: element e of a thread's quads of a transposed accumulator
+    // tile (S^T) at query columns 8 (n + u), u in {0, 1}: rows keys j and j + 8 (j = a multiple
+    // of 16 plus the lane's group g = lane / 4), columns queries i + 8 u and i + 8 u + 1 (i
+    // even). The eight lanes of column pair t need the same eight calls (queries i, i + 1,
+    // i + 8, i + 9 x key groups j >> 3 and the next): lane g makes call c = g (element
+    // c & 3 of tile n + (c >> 2)), and the 8 x 8 bit matrix (row: call, column: key) is
+    // transposed across them in three shuffles, lane g taking key g of every call: one call
+    // per eight scores a lane. Every lane of the warp calls it.
+    __device__ __forceinline__ unsigned keep8_transposed(int j, int i) const {
+        unsigned keep = 0xffu;
         if constexpr (kDropout) {
-            const int lane = threadIdx.x & 31;
-            const int a = (lane >> 2) & 3;  // this lane's word: j & 3; and the call it makes
-            const Philox4 r = philox4x32_10((j - a + 8 * (a >> 1)) >> 2, i + (a & 1), hv.bh, p.dropout_offset,
-                                            static_cast<u32>(p.seed), static_cast<u32>(p.seed >> 32));
-            keep = 0;
-#pragma unroll
-            for (int round = 0; round < 4; ++round) {
-                // Receive word a of call c from the lane making it; send word (a - round) & 3 of
-                // this lane's call to the lane receiving from it.
-                const int c = (a + round) & 3, send = (a - round) & 3;
-                const u32 out = send == 0 ? r.x : send == 1 ? r.y : send == 2 ? r.z : r.w;
-                const u32 got = __shfl_sync(0xffffffffu, out, lane + 4 * (c - a));
-                keep |= unsigned(got >= p.dropout_threshold) << c;
-            }
+            const unsigned c = (threadIdx.x >> 2) & 7u;
+            keep = keep_byte((static_cast<u32>(j) >> 3) + ((c >> 1) & 1u), static_cast<u32>(i) + (c & 1u) + 8u * (c >> 2));
+            keep = swap_blocks(keep, c & 4u, 16, 4, 0x0fu);
+            keep = swap_blocks(keep, c & 2u, 8, 2, 0x33u);
+            keep = swap_blocks(keep, c & 1u, 4, 1, 0x55u);
         }
         return keep;
     }
