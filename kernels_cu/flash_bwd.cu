@@ -223,12 +223,9 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
         Policy::template qk<HD, BLOCK_C, LD, LD>(sdO + 16 * warp * LD, sV, dp);  // dP = dO V^T
         // A full tile inside the band without masks selects nothing.
         const bool fast = !Sc::kMasks && j0 + BLOCK_C <= hi && tile_inside_band(p, hv, i0, i0 + rows_valid, j0, j1);
-        static_assert(NT % 2 == 0, "dropout's keep bits come two key tiles a call");
-        unsigned keep = 0;
+        const KeepBits<1, NT> keep = score.template keep_tile<1, NT>(r0, j0 + 2 * t);  // j0: a multiple of BLOCK_C
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            // Bit 4 (n & 1) + e: element e survives dropout (j0 is a multiple of BLOCK_C).
-            if (n % 2 == 0) keep = score.keep8(r0, j0 + 8 * n + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int x = e >> 1, i = r0 + 8 * x, j = j0 + 8 * n + 2 * t + (e & 1);
@@ -237,7 +234,7 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
                 const Acc sc = fast ? (Sc::kPlain ? raw * score.op.scale_log2 : score.value(raw, i, j))
                                     : (j < j1 && i < hv.q_len) ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>();
                 const Acc pe = softmax_exp2(sc - lse2[x]);                          // P = exp(S - lse)
-                const Acc z = Sc::kDropout ? ((keep >> (4 * (n & 1) + e)) & 1u ? dropout_scale : Acc(0)) : Acc(1);
+                const Acc z = Sc::kDropout ? (keep.kept(0, n, e) ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = pe * (dp[0][n][e] * z - delta[x]);                          // dS = P (dP z - D)
                 score.derivative(bp, ds, raw, i, j, false);  // softcap's chain rule (dK/dV adds dbias)
                 s[0][n][e] = ds;

@@ -1,5 +1,5 @@
 // Philox4x32-10 (Salmon et al. 2011; cuRAND's Philox4_32_10), the generator of the dropout keep
-// bits (Scores::keep_byte, score/scores.cuh, takes the keep test).
+// bits (score/dropout.cuh).
 //
 // The bits are the contract of docs/semantics.md#dropout-bits, shared with flashcupy/rng.py:
 //   key = (seed mod 2^32, seed >> 32), counter = (j >> 3, i, bh, offset),

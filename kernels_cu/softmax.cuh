@@ -35,10 +35,11 @@ struct OnlineSoftmax {
     // Scores of key tile k, keys [jt0, jt0 + 8 NP) from jt0 = k.j (valid below jt1), from raw
     // products sp, turned into P = exp2(S - m) in place (dropped elements 0) and folded into m
     // and l; alpha = exp2(m_old - m_new) per row is what O has to be rescaled by (rescale).
-    // The tile's operands are in stage `stage` of `staged` (no mask where k.whole).
+    // The tile's operands are in stage `stage` of `staged` (no mask where k.whole), its dropout
+    // bits in `keep` (keep_bits).
     template <int NP>
     __device__ __forceinline__ void exponentiate(Acc (&sp)[MI][NP][4], const KeyTile& k, const int jt1,
-                                                 Acc (&alpha)[2 * MI], int stage) {
+                                                 Acc (&alpha)[2 * MI], int stage, const KeepBits<MI, NP>& keep) {
         const int jt0 = k.j;
         Acc row_max[2 * MI];
 #pragma unroll
@@ -82,24 +83,32 @@ struct OnlineSoftmax {
             m[r] = m_new;
             l[r] *= alpha[r];
         }
-        static_assert(NP % 2 == 0, "dropout's keep bits come two key tiles a call");
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
-            unsigned keep = 0;
 #pragma unroll
             for (int n = 0; n < NP; ++n) {
-                // Bit 4 (n & 1) + e: element e survives dropout.
-                if (n % 2 == 0) keep = scores.keep8(r0 + 16 * mi, jt0 + 8 * n + 2 * t);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int x = 2 * mi + (e >> 1);
                     const Acc pe = softmax_exp2(sp[mi][n][e] - m_safe[x]);  // P = exp2(S - m)
                     l[x] += pe;                                           // lse is taken before dropout
                     // Dropped: 0; 1 / (1 - p) is applied once at the end.
-                    sp[mi][n][e] = (keep >> (4 * (n & 1) + e)) & 1u ? pe : Acc(0);
+                    sp[mi][n][e] = keep.kept(mi, n, e) ? pe : Acc(0);
                 }
             }
         }
+    }
+
+    // The dropout bits of key tile k for exponentiate: every lane of the warp calls it.
+    template <int NP>
+    __device__ __forceinline__ KeepBits<MI, NP> keep_bits(const KeyTile& k) const {
+        return scores.template keep_tile<MI, NP>(r0, k.j + 2 * t);
+    }
+
+    template <int NP>
+    __device__ __forceinline__ void exponentiate(Acc (&sp)[MI][NP][4], const KeyTile& k, const int jt1,
+                                                 Acc (&alpha)[2 * MI], int stage) {
+        exponentiate(sp, k, jt1, alpha, stage, keep_bits<NP>(k));
     }
 
     // O *= alpha, row by row.

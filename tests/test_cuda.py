@@ -223,7 +223,7 @@ def test_forward_score_operands_match_reference(dtype, d, data) -> None:
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
 def test_deterministic_backward_with_dropout_matches_reference(dtype) -> None:
     """The query-major dQ kernel (deterministic=True) draws its dropout bits in quads
-    (Scores::keep8), as the forward does."""
+    (DropoutBits::quads), as the forward does."""
     case = _case((2, 2, 130, 64), (2, 2, 257, 64), dtype=dtype, causal=True, dropout_p=0.3, seed=2**40 + 3,
                  dropout_offset=9, bias=np.linspace(-1, 1, 130 * 257).reshape(130, 257).astype(np.float32))
     _check_backward(case, deterministic=True)

@@ -274,7 +274,9 @@ struct BwdKeyBlock {
         i_first = i_lo - i_lo % BLOCK_C;
     }
 
-    __device__ __forceinline__ HeadView query_head(int hq) const { return head_view(p, b * p.hq + hk * group + hq); }
+    // Query head hq of the block's group: its flat (batch, query head) index, and its view.
+    __device__ __forceinline__ i32 query_bh(int hq) const { return b * p.hq + hk * group + hq; }
+    __device__ __forceinline__ HeadView query_head(int hq) const { return head_view(p, query_bh(hq)); }
 
     // Moves (hq, i0) to the next query tile with a live score (hq == group: none left). Only
     // masks rule out whole tiles, as the call's key-major tile map says (score/tile_map.cuh).
@@ -359,7 +361,8 @@ struct BwdElements {
 // mainloops, and in the wgmma one where OptionElements does not apply (softcap) or spills
 // (BwdWgmma::kTwoPass), once both products have landed: one pass and one copy (a second
 // spills beside it): P'^T = P^T z into s_t and dS^T into dp_t, with z =
-// keep / (1 - p) of dropout (dropout_scale = 1 / (1 - p)), and dS through the modifiers'
+// keep / (1 - p) of dropout (keep: the tile's bits, Scores::keep_tile; dropout_scale =
+// 1 / (1 - p)), and dS through the modifiers'
 // derivative (dbias += dS, added by the block's first gradient chunk alone; softcap's chain
 // rule). A fast tile (no mask present, whole, inside the band) selects nothing: P =
 // exp2(value(S) - lse2). Otherwise masked scores and padding get P = 0 and dS = 0 by
@@ -369,7 +372,8 @@ template <typename Acc, typename Set, int MI, int NT, int BLOCK_R, int BLOCK_C>
 __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
                                               const Scores<Acc, Set>& score, const BwdQueryTile& tile, int r0, int t,
                                               const Acc* sLset, const Acc* sDeltat, Acc dropout_scale,
-                                              Acc (&s_t)[MI][NT][4], Acc (&dp_t)[MI][NT][4]) {
+                                              const KeepBits<MI, NT>& keep, Acc (&s_t)[MI][NT][4],
+                                              Acc (&dp_t)[MI][NT][4]) {
     using Sc = Scores<Acc, Set>;
     const BwdParams& bp = blk.bp;
     const Params& p = blk.p;
@@ -377,13 +381,10 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
     const bool owner = blk.chunk == 0;
     const int i0 = tile.i0, i1 = tile.i1, key_end = blk.j0 + blk.keys_valid;
     // Rows of S^T are keys j, columns queries i0 + c (each_element's layout).
-    static_assert(NT % 2 == 0, "dropout's keep bits come two query tiles a call");
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi) {
-        unsigned keep = 0;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            if (n % 2 == 0) keep = score.keep8_transposed(r0 + 16 * mi, i0 + 8 * n + 2 * t);  // bit 4 (n & 1) + e: kept
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
@@ -394,7 +395,7 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
                               - sLset[c];
                 const bool live = fast || x != neg_inf<Acc>();
                 const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
-                const Acc z = Sc::kDropout ? ((keep >> (4 * (n & 1) + e)) & 1u ? dropout_scale : Acc(0)) : Acc(1);
+                const Acc z = Sc::kDropout ? (keep.kept(mi, n, e) ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = live ? pe * (dp_t[mi][n][e] * z - sDeltat[c]) : Acc(0);  // dS^T = P^T (dP^T z - D)
                 score.derivative(bp, ds, raw, i, j, owner);  // dbias += dS; softcap's chain rule
                 s_t[mi][n][e] = pe * z;  // P' = P z
@@ -488,21 +489,18 @@ struct OptionElements {
 
     // P^T and dP^T -> P'^T = P^T z and dS^T = P^T (dP^T z - D) in place.
     template <int MI, int NT>
-    __device__ __forceinline__ void gradients(const bool FAST, Acc dropout_scale, Acc (&s_t)[MI][NT][4],
-                                              Acc (&dp_t)[MI][NT][4]) const {
+    __device__ __forceinline__ void gradients(const bool FAST, Acc dropout_scale, const KeepBits<MI, NT>& keep,
+                                              Acc (&s_t)[MI][NT][4], Acc (&dp_t)[MI][NT][4]) const {
         const bool owner = blk.chunk == 0;
-        static_assert(NT % 2 == 0, "dropout's keep bits come two query tiles a call");
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
-            unsigned keep = 0;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                if (n % 2 == 0) keep = score.keep8_transposed(r0 + 16 * mi, i0 + 8 * n + 2 * t);  // bit 4 (n & 1) + e: kept
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1);
                     const Acc pe = s_t[mi][n][e];
-                    const Acc z = Sc::kDropout ? ((keep >> (4 * (n & 1) + e)) & 1u ? dropout_scale : Acc(0)) : Acc(1);
+                    const Acc z = Sc::kDropout ? (keep.kept(mi, n, e) ? dropout_scale : Acc(0)) : Acc(1);
                     Acc ds = pe * (dp_t[mi][n][e] * z - sDelta[c]);
                     // P = 0 gives dS = 0 even where dP overflowed (0 * inf): off the fast path, and
                     // on fast tiles with a staged mask, whose masked scores have P = 0 there.

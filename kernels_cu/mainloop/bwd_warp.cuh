@@ -74,8 +74,8 @@ struct BwdWarp {
             // all of them, carry no per-element test: the selecting loop is inlined twice, with
             // a constant FAST.
             if constexpr (FULL) {
-                full_elements(blk, hv, scores, tile, r0, t, storage.lse(st), storage.delta(st), dropout_scale, s_t,
-                              dp_t);
+                full_elements(blk, hv, scores, tile, r0, t, storage.lse(st), storage.delta(st), dropout_scale,
+                              scores.template keep_tile<MI, NT, true>(i0 + 2 * t, r0), s_t, dp_t);
             } else {
                 // TileBand's branch-free test, but for 3xTF32 above HD = 64, whose fragments
                 // leave no registers for the interleaving it allows: there the sequential one.

@@ -39,7 +39,7 @@ struct FwdBlock {
 };
 
 // The key tiles of a block: starts at multiples of BLOCK_N (keys before lo are masked by the
-// band test: Scores::keep8's quads need tiles at multiples of 8, and 16-byte tile copies
+// band test: dropout's quads (score/dropout.cuh) need tiles at multiples of 8, and 16-byte tile copies
 // stay aligned), skipping tiles the score modifiers rule out, and their copies into shared
 // memory: K with the tile's staged score operands (Staged, score/tiles.cuh), and V.
 template <typename KTile, typename VTile, int BLOCK_M, int BLOCK_N, int THREADS, typename T, typename Sc,

@@ -2,7 +2,8 @@
 // (FlashAttention-3's overlap inside a warpgroup): S_next = Q K_next^T is issued before
 // O += P V of the current tile, and S_next's softmax runs on the CUDA cores while the tensor
 // cores compute P V; O is rescaled for S_next's maxima once P V has landed. It costs a
-// second score buffer, S_next live beside P and O: with score options at HD = 256
+// second score buffer, S_next live beside P and O (and dropout's keep bits of S_next, drawn
+// while both products run): with score options at HD = 256
 // that spills, and those kernels take FwdSerial (the rule table's choice).
 //
 // Tile i's K and V sit in stage i % 2, but K runs a tile ahead of V: iteration i reads
@@ -76,9 +77,10 @@ struct FwdOverlap {
                 zero_acc(s);
                 Policy::template qk_issue<kBlockM, HD, BLOCK_N>(sQ, sK + (stage ^ 1) * KTile::ELEMS, s);
                 Policy::template pv_issue<BLOCK_N, DV>(pf, sV + stage * VTile::ELEMS, o);  // O += P V
+                const auto keep = softmax.template keep_bits<NT>(k_next);  // dropout's Philox beside both products
                 wgmma_wait<1>();  // S_next has landed; P V may still run
                 fence_regs(s[0]);
-                softmax.exponentiate(s, k_next, min(k_next.j + BLOCK_N, hi), alpha, stage ^ 1);
+                softmax.exponentiate(s, k_next, min(k_next.j + BLOCK_N, hi), alpha, stage ^ 1, keep);
                 wgmma_wait<0>();
                 fence_regs(o[0]);
                 fence_regs(pf[0]);

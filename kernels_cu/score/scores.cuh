@@ -25,12 +25,13 @@
 //                     backward's element pass);
 //   derivative        derivative(bp, ds, raw, i, j, owner): the bias gradient's accumulation
 //                     (dbias += dS) and dS through softcap's d(c tanh(x / c)) / dx;
-//   dropout on P      keep8(i, j): the keep bits of a thread's elements of two accumulator
-//                     tiles side by side; keep8_transposed(j, i) of transposed ones (S^T).
+//   dropout on P      keep_tile(i, j): the keep bits of a thread's elements of an
+//                     accumulator tile (KeepBits), or of a transposed one (S^T), drawn where
+//                     the mainloop has the time: before the tile's products land.
 #pragma once
 
 #include "../bwd_params.cuh"
-#include "../philox.cuh"
+#include "dropout.cuh"
 #include "modifiers.cuh"
 #include "tile_map.cuh"
 
@@ -111,64 +112,13 @@ struct Scores {
         }
     }
 
-    // Bit k of the result: key 8 group + k of query row `row` survives dropout, k in [0, 8):
-    // the eight 16-bit halves of one Philox call, low half of word 0 first, against the
-    // threshold (docs/semantics.md#dropout-bits).
-    __device__ __forceinline__ unsigned keep_byte(u32 group, u32 row) const {
-        const Philox4 r = philox4x32_10(group, row, hv.bh, p.dropout_offset, static_cast<u32>(p.seed),
-                                        static_cast<u32>(p.seed >> 32));
-        const u32 th = p.dropout_threshold, words[4] = {r.x, r.y, r.z, r.w};
-        unsigned bits = 0;
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-            bits |= unsigned((words[w] & 0xffffu) >= th) << (2 * w) | unsigned((words[w] >> 16) >= th) << (2 * w + 1);
-        return bits;
-    }
-
-    // One step of an 8-bit matrix transpose across lanes (row: lane, column: bit): the lane
-    // and its partner `lanes` away swap their off-diagonal blocks of `width` bits. `upper`:
-    // this lane is the pair's second; `low` masks the first block of every pair of blocks.
-    static __device__ __forceinline__ unsigned swap_blocks(unsigned bits, bool upper, int lanes, int width,
-                                                           unsigned low) {
-        const unsigned got = __shfl_xor_sync(0xffffffffu, upper ? bits & low : (bits >> width) & low, lanes);
-        return upper ? (bits & ~low & 0xffu) | got : (bits & low) | got << width;
-    }
-
-    // Bits 4 u + e of the result: element e of a thread's accumulator quads of key tiles n + u,
-    // u in {0, 1}: rows i and i + 8, keys j + 8 u and j + 8 u + 1 (j = a multiple of 8 plus
-    // 2 t, t = lane % 4). The four calls they need (rows i, i + 8 x tiles n, n + 1) are made
-    // once in the quad, lane c making call c (row i + 8 (c & 1), tile n + (c >> 1)), and their
-    // 2-bit key pairs transposed across the quad in two shuffles: lane t takes pair t of each
-    // call, one call per eight scores a lane. Every lane of the warp calls it.
-    __device__ __forceinline__ unsigned keep8(int i, int j) const {
-        unsigned keep = 0xffu;
-        if constexpr (kDropout) {
-            const unsigned c = threadIdx.x & 3u;
-            keep = keep_byte((static_cast<u32>(j) >> 3) + (c >> 1), static_cast<u32>(i) + 8u * (c & 1u));
-            keep = swap_blocks(keep, c & 2u, 2, 4, 0x0fu);  // pairs 2, 3 of calls 0, 1 <-> pairs 0, 1 of calls 2, 3
-            keep = swap_blocks(keep, c & 1u, 1, 2, 0x33u);  // pair 1 of call 0 <-> pair 0 of call 1, and so on
-        }
-        return keep;
-    }
-
-    // Bits 4 u + e of the result: element e of a thread's quads of a transposed accumulator
-    // tile (S^T) at query columns 8 (n + u), u in {0, 1}: rows keys j and j + 8 (j = a multiple
-    // of 16 plus the lane's group g = lane / 4), columns queries i + 8 u and i + 8 u + 1 (i
-    // even). The eight lanes of column pair t need the same eight calls (queries i, i + 1,
-    // i + 8, i + 9 x key groups j >> 3 and the next): lane g makes call c = g (element
-    // c & 3 of tile n + (c >> 2)), and the 8 x 8 bit matrix (row: call, column: key) is
-    // transposed across them in three shuffles, lane g taking key g of every call: one call
-    // per eight scores a lane. Every lane of the warp calls it.
-    __device__ __forceinline__ unsigned keep8_transposed(int j, int i) const {
-        unsigned keep = 0xffu;
-        if constexpr (kDropout) {
-            const unsigned c = (threadIdx.x >> 2) & 7u;
-            keep = keep_byte((static_cast<u32>(j) >> 3) + ((c >> 1) & 1u), static_cast<u32>(i) + (c & 1u) + 8u * (c >> 2));
-            keep = swap_blocks(keep, c & 4u, 16, 4, 0x0fu);
-            keep = swap_blocks(keep, c & 2u, 8, 2, 0x33u);
-            keep = swap_blocks(keep, c & 1u, 4, 1, 0x55u);
-        }
-        return keep;
+    // The keep bits of a thread's (16 MI, 8 NT) tile: rows i + 16 mi and keys j + 8 n
+    // (TRANSPOSED: keys j + 16 mi and queries i + 8 n); all kept without dropout. Every lane
+    // of the warp calls it.
+    template <int MI, int NT, bool TRANSPOSED = false>
+    __device__ __forceinline__ KeepBits<MI, NT> keep_tile(int i, int j) const {
+        if constexpr (kDropout) return DropoutBits{p, static_cast<u32>(hv.bh)}.template tile<MI, NT, TRANSPOSED>(i, j);
+        return KeepBits<MI, NT>::all();
     }
 };
 
