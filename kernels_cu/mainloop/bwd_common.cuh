@@ -274,9 +274,7 @@ struct BwdKeyBlock {
         i_first = i_lo - i_lo % BLOCK_C;
     }
 
-    // Query head hq of the block's group: its flat (batch, query head) index, and its view.
-    __device__ __forceinline__ i32 query_bh(int hq) const { return b * p.hq + hk * group + hq; }
-    __device__ __forceinline__ HeadView query_head(int hq) const { return head_view(p, query_bh(hq)); }
+    __device__ __forceinline__ HeadView query_head(int hq) const { return head_view(p, b * p.hq + hk * group + hq); }
 
     // Moves (hq, i0) to the next query tile with a live score (hq == group: none left). Only
     // masks rule out whole tiles, as the call's key-major tile map says (score/tile_map.cuh).

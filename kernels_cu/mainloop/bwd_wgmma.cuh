@@ -75,10 +75,6 @@ struct BwdWgmma {
         zero_acc(dv);
 
         const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
-        // Dropout's bits of the next query tile, drawn while this tile's dV, dK and dQ products
-        // run (the warps would wait for them idle), and whether they were.
-        KeepBits<1, NT> keep_next = KeepBits<1, NT>::all();
-        bool keep_drawn = false;
         auto nothing = [] {};
         blk.template walk<Acc, ScoreSet, STAGES, true, QTile, kThreads, Tiles>(storage, nothing, nothing, [&](
             const HeadView& hv, const Scores<Acc, ScoreSet>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
@@ -91,8 +87,8 @@ struct BwdWgmma {
             zero_acc(dp_t);
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sK, sQt, s_t);    // S^T = K Q^T
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
-            // The block's first tile draws its bits now, beside S^T and dP^T.
-            const KeepBits<1, NT> keep = keep_drawn ? keep_next : scores.template keep_tile<1, NT, true>(i0 + 2 * t, r0);
+            // Dropout's bits of the tile, drawn while S^T and dP^T run.
+            const KeepBits<1, NT> keep = scores.template keep_tile<1, NT, true>(i0 + 2 * t, r0);
             tile.template classify<kMaskFast<ScoreSet>>(blk, hv, scores);
             if constexpr (TWO_PASS) {
                 const OptionElements<Acc, ScoreSet, BLOCK_R, BLOCK_C, Tiles> el(
@@ -147,11 +143,6 @@ struct BwdWgmma {
             Acc dq[1][NQW / 8][4];
             zero_acc(dq);
             Policy::template mn_issue<BLOCK_R, NQW>(sdS + qb * BLOCK_R * 64, sK, col0, dq);  // dQ_tile = dS K
-            if constexpr (ScoreSet::kDropout) {
-                keep_drawn = next_hq < blk.group;
-                if (keep_drawn)
-                    keep_next = DropoutBits{p, static_cast<u32>(blk.query_bh(next_hq))}.template tile<1, NT, true>(next_i0 + 2 * t, r0);
-            }
             wgmma_wait<0>();
             fence_regs(dv[0]);
             fence_regs(dk[0]);
