@@ -291,10 +291,18 @@ def test_reused_parameter_blocks_give_the_results_of_fresh_ones(monkeypatch) -> 
     assert not packs, "a repeated call packed its parameter blocks again"
 
     other = device(shape, seed=1)
+    strided = [cupy.ascontiguousarray(x.swapaxes(2, 3)).swapaxes(2, 3) for x in other]  # keys strided: copied
+    fresh(*strided)
+    packs.clear()
+    run(*strided)
+    assert not packs, "a repeated call whose operands are copied packed its parameter blocks again"
     variants = {
         "other data, same layout": (other, {}),
         "16-byte misaligned pointers": ([_offset(cupy, x, 4) for x in other], {}),
         "(B, L, H, D) strides": ([cupy.ascontiguousarray(x.swapaxes(1, 2)).swapaxes(1, 2) for x in other], {}),
+        "keys strided, copied each call": (strided, {}),
+        "dout of one element broadcast (torch's grad of a sum)": (
+            other[:3] + [cupy.broadcast_to(other[3][:1, :1, :1, :1], shape)], {}),
         "bfloat16": (device(shape, BF16, seed=2), {}),
         "one head, 2-D": ([x[0, 0] for x in other], {}),
         "causal": (other, {"causal": True}),

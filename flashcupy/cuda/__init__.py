@@ -315,22 +315,25 @@ _BACKWARD_POINTERS = ("f.q", "f.k", "f.v", "f.o", "f.lse", "dout", "out", "delta
 
 class _Templates:
     """Earlier calls by :func:`_layout_key`: each call's parameter block as a template whose
-    pointers each later call fills in, and its launches (the key holds everything they
-    depend on); beyond ``size`` entries the oldest goes."""
+    pointers each later call fills in, its launches (the key holds everything they depend
+    on) and which row operands :func:`_rows` copied for it; beyond ``size`` entries the
+    oldest goes."""
 
     def __init__(self, size: int = 256) -> None:
         self._size = size
-        self._entries: dict[tuple, tuple[P.Template, list[Launch]]] = {}
+        self._entries: dict[tuple, tuple[P.Template, list[Launch], tuple[bool, ...]]] = {}
         self._lock = threading.Lock()  # writers only: a lookup is one atomic dict.get
 
-    def get(self, key: tuple | None) -> tuple[P.Template, list[Launch]] | None:
+    def get(self, key: tuple | None) -> tuple[P.Template, list[Launch], tuple[bool, ...]] | None:
         return None if key is None else self._entries.get(key)
 
-    def put(self, key: tuple, template: P.Template, launches: list[Launch]) -> None:
+    def put(self, key: tuple, template: P.Template, launches: list[Launch], rows: tuple, operands: tuple) -> None:
+        """Keep a call's block (``rows``: its row operands as :func:`_rows` made them from ``operands``)."""
+        copied = tuple(r.data.ptr != x.data.ptr for r, x in zip(rows, operands))
         with self._lock:
             if len(self._entries) >= self._size:
                 del self._entries[next(iter(self._entries))]
-            self._entries[key] = (template, launches)
+            self._entries[key] = (template, launches, copied)
 
 
 _FORWARD_TEMPLATES = _Templates()
@@ -350,17 +353,35 @@ def _layout_key(pb: Problem, device_id: int, operands: tuple, *extra: Any) -> tu
             pb.dropout_p, pb.seed, pb.dropout_offset, *[(x.shape, x.strides) for x in operands], *extra)
 
 
-def _same_memory(rows: tuple, operands: tuple) -> bool:
-    """True when :func:`_rows` made no copy of any operand (each row view starts where it does)."""
-    return all(r.data.ptr == x.data.ptr for r, x in zip(rows, operands))
+def _template_rows(pb: Problem, operands: tuple, cached: tuple | None, xp) -> list | None:
+    """The row operands of a call reusing the template ``cached`` (an entry of _Templates, or
+    None): each operand itself where the template's call used it so, else a fresh copy by
+    :func:`_rows`, laid out as that call's was (the key fixes shapes and strides). None where
+    the template does not apply: none cached, a pointer not 16-byte aligned where the
+    template's call had one that was, or an operand :func:`_rows` no longer copies (its copy
+    then was for a misaligned pointer: the template holds the copy's strides)."""
+    if cached is None:
+        return None
+    rows = []
+    for x, copied in zip(operands, cached[2]):
+        if copied:
+            x_rows = _rows(pb, x, xp)
+            if x_rows.data.ptr == x.data.ptr:
+                return None
+            rows.append(x_rows)
+        elif x.data.ptr % 16:
+            return None
+        else:
+            rows.append(x)
+    return rows
 
 
 def forward(pb: Problem) -> tuple[Any, Any]:
     """(out, lse) of a problem on CuPy arrays, in the problem's internal layout.
 
-    A problem laid out like an earlier one (:func:`_layout_key`) whose operands needed no
-    copy then, and whose pointers are 16-byte aligned now (so need none either), reuses that
-    launch's parameter block with its own pointers filled in.
+    A problem laid out like an earlier one (:func:`_layout_key`) reuses that launch's
+    parameter block with its own pointers filled in, copying again the operands copied then
+    (:func:`_template_rows`).
     """
     import cupy as xp
 
@@ -374,17 +395,18 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         operands = (pb.q, pb.k, pb.v)
         key = _layout_key(pb, device_id, operands, spec)
         cached = _FORWARD_TEMPLATES.get(key)
-        q_ptr, k_ptr, v_ptr = (x.data.ptr for x in operands)
-        if cached is not None and not (q_ptr | k_ptr | v_ptr) % 16:
-            template, launches = cached
-            block, keep_alive = template.fill_bytes(q_ptr, k_ptr, v_ptr, out.data.ptr, lse.data.ptr), []
+        rows = _template_rows(pb, operands, cached, xp)
+        if rows is not None:
+            template, launches, _ = cached
+            block = template.fill_bytes(*(x.data.ptr for x in rows), out.data.ptr, lse.data.ptr)
+            keep_alive = rows
         else:
             q, k, v = _operands(pb, xp)
             params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp,
                                                  row_blocks=forward_row_blocks(pb, spec), maps=spec.tile_maps)
             launches = forward_launches(pb, spec)
-            if key is not None and _same_memory((q, k, v), operands):
-                _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS), launches)
+            if key is not None:
+                _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS), launches, (q, k, v), operands)
             block = bytearray(params.tobytes())
         for launch in launches:
             _run(launch, device_id, block)
@@ -444,13 +466,14 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         operands = (pb.q, pb.k, pb.v, dout, out)
         key = _layout_key(pb, device_id, operands, spec)
         cached = _BACKWARD_TEMPLATES.get(key)
-        q_ptr, k_ptr, v_ptr, dout_ptr, out_ptr = (x.data.ptr for x in operands)
+        rows = _template_rows(pb, operands, cached, xp)
         finish_dbias = None
-        if cached is not None and not (q_ptr | k_ptr | v_ptr | dout_ptr | out_ptr) % 16:
-            template, launches = cached
+        if rows is not None:
+            template, launches, _ = cached
+            q_ptr, k_ptr, v_ptr, dout_ptr, out_ptr = (x.data.ptr for x in rows)
             block = template.fill_bytes(q_ptr, k_ptr, v_ptr, out_ptr, lse.data.ptr, dout_ptr, out_ptr,
                                         delta.data.ptr, lse2.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum)
-            keep_alive = []
+            keep_alive = rows
         else:
             q, k, v = _operands(pb, xp)
             dout, out = _rows(pb, dout, xp), _rows(pb, out, xp)
@@ -469,8 +492,9 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
                 **fields,
             )
             launches = backward_launches(pb, spec)
-            if key is not None and _same_memory((q, k, v, dout, out), operands):
-                _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS), launches)
+            if key is not None:
+                _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS), launches, (q, k, v, dout, out),
+                                        operands)
             block = bytearray(bparams.tobytes())
         for launch in launches:
             _run(launch, device_id, block)
