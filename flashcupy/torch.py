@@ -19,18 +19,18 @@ install torch" without it).
 
 Data path:
 
-- CUDA tensors go to CuPy through DLPack with no copy, and the results come back
-  to torch the same way. Every kernel runs on torch's current stream of the
-  tensors' device (``torch.cuda.current_stream(q.device)`` at forward time; the
-  backward runs on the stream autograd gives it, which is the forward's), so the
-  call orders with the surrounding torch work like any torch operator.
+- CUDA tensors are viewed as CuPy arrays with no copy. Every array the call
+  allocates (outputs and temporaries) comes from torch's caching allocator, and
+  the results come back as torch tensors over that memory, so CuPy's memory pool
+  is not used on this path. Every kernel runs on torch's current stream of the
+  tensors' device (at forward time; the backward runs on the stream autograd
+  gives it, which is the forward's), so the call orders with the surrounding
+  torch work like any torch operator.
 - CPU tensors are viewed as NumPy arrays (no copy; bfloat16 through an int16
   view, as ``ml_dtypes.bfloat16``) and take the path NumPy arrays take in
   ``flashcupy.flash_attention``: with ``backend="auto"`` that is the GPU when one
   is usable, else the CPU backend; ``backend="cpu"`` forces the CPU. Results
   come back as CPU tensors.
-
-The CuPy side allocates from CuPy's memory pool, not torch's caching allocator.
 """
 
 from __future__ import annotations
@@ -72,8 +72,17 @@ def _bf16_numpy():
 
 
 #: NumPy element types of the torch dtypes a CUDA tensor is viewed as directly (_cuda_view).
-_VIEW_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
-                torch.bool: np.bool_, torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8}
+_VIEW_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+                torch.float64: np.dtype(np.float64), torch.bool: np.dtype(np.bool_), torch.int32: np.dtype(np.int32),
+                torch.int64: np.dtype(np.int64), torch.uint8: np.dtype(np.uint8)}
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype | None:
+    """The torch dtype of a NumPy element type _cuda_view takes (bfloat16 as ml_dtypes'), else None."""
+    for torch_dtype, np_dtype in _VIEW_DTYPES.items():
+        if dtype == np_dtype:
+            return torch_dtype
+    return torch.bfloat16 if dtype == _bf16_numpy() else None
 
 
 def _cuda_view(x: torch.Tensor) -> Any:
@@ -85,13 +94,12 @@ def _cuda_view(x: torch.Tensor) -> Any:
     import cupy
 
     dtype = _VIEW_DTYPES.get(x.dtype) or (_bf16_numpy() if x.dtype == torch.bfloat16 else None)
-    if dtype is None or x.numel() == 0:
+    if dtype is None or not x.numel():
         return None
-    itemsize = x.element_size()
-    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))  # elements from the first to the last
-    memory = cupy.cuda.UnownedMemory(x.data_ptr(), extent * itemsize, x, x.device.index)
-    return cupy.ndarray(tuple(x.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
-                        tuple(s * itemsize for s in x.stride()))
+    shape, strides, itemsize = tuple(x.shape), x.stride(), dtype.itemsize
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides))  # elements from the first to the last
+    memory = cupy.cuda.UnownedMemory(x.data_ptr(), extent * itemsize, x, x.get_device())
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), tuple(s * itemsize for s in strides))
 
 
 def _to_array(x: Any) -> Any:
@@ -100,14 +108,16 @@ def _to_array(x: Any) -> Any:
     ``ml_dtypes.bfloat16``). Anything else passes through unchanged."""
     if not isinstance(x, torch.Tensor):
         return x
-    x = x.detach()  # DLPack and .numpy() refuse tensors that require grad
-    if x.device.type == "cuda":
-        import cupy
-
+    if x.is_cuda:
         if x.is_conj() or x.is_neg():
             x = x.resolve_conj().resolve_neg()
         view = _cuda_view(x)
-        return view if view is not None else cupy.from_dlpack(x)
+        if view is not None:
+            return view
+        import cupy
+
+        return cupy.from_dlpack(x.detach())  # DLPack refuses tensors that require grad
+    x = x.detach()  # .numpy() refuses tensors that require grad
     if x.device.type != "cpu":
         raise TypeError(f"flashcupy.torch: expected tensors on a CUDA device or the CPU, received one on {x.device}")
     if x.is_conj() or x.is_neg():
@@ -118,41 +128,86 @@ def _to_array(x: Any) -> Any:
     return x.numpy()
 
 
-def _to_tensor(a: Any) -> torch.Tensor:
-    """A NumPy or CuPy result as a torch tensor sharing its memory."""
+def _to_tensor(a: Any, allocations: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """A NumPy or CuPy result as a torch tensor sharing its memory: a CuPy array that starts
+    an allocation of ``allocations`` (_TorchMemory's, by address) as a view of that torch
+    tensor, any other through DLPack."""
     if isinstance(a, np.ndarray):
         if a.dtype == _bf16_numpy():
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
-    return torch.from_dlpack(a)
+    block = allocations.get(a.data.ptr) if allocations and a.size else None
+    dtype = _torch_dtype(a.dtype) if block is not None else None
+    if dtype is None or any(s % a.itemsize for s in a.strides):
+        return torch.from_dlpack(a)
+    return block.view(dtype).as_strided(a.shape, tuple(s // a.itemsize for s in a.strides))
 
 
 # --------------------------------------------------------------------------- streams
 
 
-def _external_stream(device: torch.device):
-    """torch's current stream on ``device`` as a CuPy stream (not owned by CuPy)."""
-    import cupy
+#: torch's current stream and CuPy's device per (device index, raw stream): a CuPy stream
+#: object over the same CUDA stream, built once (building one each call cost a call's
+#: microseconds).
+_CUPY_STREAMS: dict[tuple[int, int], tuple[Any, Any]] = {}
 
-    stream = torch.cuda.current_stream(device)
-    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
-        return cupy.cuda.Stream.from_external(stream)
-    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older CuPy has only it
-        warnings.filterwarnings("ignore", message="ExternalStream is deprecated", category=DeprecationWarning)
-        return cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
+
+def _current_raw_stream(index: int) -> int:
+    """The CUDA stream handle of torch's current stream on device ``index``."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: the public call builds one
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def _external_stream(device: torch.device) -> tuple[Any, Any]:
+    """(CuPy's device, torch's current stream on it as a CuPy stream, not owned by CuPy)."""
+    key = (device.index, _current_raw_stream(device.index))
+    found = _CUPY_STREAMS.get(key)
+    if found is None:
+        import cupy
+
+        current = torch.cuda.current_stream(device)
+        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(current, "__cuda_stream__"):
+            stream = cupy.cuda.Stream.from_external(current)
+        else:
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older CuPy has only it
+                warnings.filterwarnings("ignore", message="ExternalStream is deprecated", category=DeprecationWarning)
+                stream = cupy.cuda.ExternalStream(key[1], device.index)
+        found = _CUPY_STREAMS[key] = (cupy.cuda.Device(device.index), stream)
+    return found
+
+
+class _TorchMemory:
+    """CuPy's allocator for one call: each allocation a torch uint8 tensor from torch's caching
+    allocator (on torch's current stream), kept by address in ``allocations`` so results can
+    go back to torch as views of it (_to_tensor). The CuPy memory holds the tensor alive."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.allocations: dict[int, torch.Tensor] = {}
+
+    def __call__(self, nbytes: int) -> Any:
+        import cupy
+
+        block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        address = block.data_ptr()
+        self.allocations[address] = block
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(address, nbytes, block, self.device.index), 0)
 
 
 @contextlib.contextmanager
 def _on_device(device: torch.device):
-    """For a CUDA device: make it CuPy's current device and torch's current stream there
-    CuPy's current stream. Nothing for the CPU (CuPy is not imported)."""
+    """For a CUDA device: make it CuPy's current device, torch's current stream there CuPy's
+    current stream, and torch's caching allocator CuPy's; yields the _TorchMemory's
+    allocations (by address). Nothing for the CPU (CuPy is not imported): yields None."""
     if device.type != "cuda":
-        yield
+        yield None
         return
     import cupy
 
-    with cupy.cuda.Device(device.index), _external_stream(device):
-        yield
+    cupy_device, stream = _external_stream(device)
+    memory = _TorchMemory(device)
+    with cupy_device, stream, cupy.cuda.using_allocator(memory):
+        yield memory.allocations
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -267,9 +322,9 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: di
                   scalars: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the forward op's arguments: its array options by name, its scalars by name."""
     options = _decode(tensors, scalars)
-    with _on_device(q.device):
+    with _on_device(q.device) as allocations:
         out, lse = _api.flash_attention_forward(_to_array(q), _to_array(k), _to_array(v), **options)
-        return _to_tensor(out), _to_tensor(lse)
+        return _to_tensor(out, allocations), _to_tensor(lse, allocations)
 
 
 #: The ops' scalar arguments, in schema order.
@@ -310,11 +365,11 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """(dq, dk, dv, dbias, dsinks) of the backward op's arguments (see the op)."""
     sinks = tensors["sinks"]
     options = _decode(tensors, scalars)
-    with _on_device(q.device):
+    with _on_device(q.device) as allocations:
         grads = _api.flash_attention_backward(
             _to_array(dout), _to_array(q), _to_array(k), _to_array(v), _to_array(out), _to_array(lse),
             bias_grad=bias_grad, deterministic=deterministic, **options)
-        grads = [_to_tensor(g) for g in grads]
+        grads = [_to_tensor(g, allocations) for g in grads]
     dbias = grads[3] if bias_grad else q.new_empty(0)
     dsinks = grads[-1].to(dtype=sinks.dtype, device=sinks.device) if sinks is not None else q.new_empty(0)
     return grads[0], grads[1], grads[2], dbias, dsinks
