@@ -230,13 +230,14 @@ __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dq(const BwdParams bp) {
             for (int e = 0; e < 4; ++e) {
                 const int x = e >> 1, i = r0 + 8 * x, j = j0 + 8 * n + 2 * t + (e & 1);
                 const Acc raw = s[0][n][e];
+                const Acc capped = score.capped(raw);  // softcap's tanh, once: the value's and the derivative's
                 // Rows past q_len (fast tiles compute them) are never stored.
-                const Acc sc = fast ? (Sc::kPlain ? raw * score.op.scale_log2 : score.value(raw, i, j))
-                                    : (j < j1 && i < hv.q_len) ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>();
+                const Acc sc = fast ? (Sc::kPlain ? raw * score.op.scale_log2 : score.value(capped, i, j))
+                                    : (j < j1 && i < hv.q_len) ? score(capped, i, j, Band(p, hv)) : neg_inf<Acc>();
                 const Acc pe = softmax_exp2(sc - lse2[x]);                          // P = exp(S - lse)
                 const Acc z = Sc::kDropout ? (keep.kept(0, n, e) ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = pe * (dp[0][n][e] * z - delta[x]);                          // dS = P (dP z - D)
-                score.derivative(bp, ds, raw, i, j, false);  // softcap's chain rule (dK/dV adds dbias)
+                score.derivative(bp, ds, capped, i, j, false);  // softcap's chain rule (dK/dV adds dbias)
                 s[0][n][e] = ds;
             }
         }

@@ -387,15 +387,16 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
             for (int e = 0; e < 4; ++e) {
                 const int j = r0 + 16 * mi + 8 * (e >> 1), c = 8 * n + 2 * t + (e & 1), i = i0 + c;
                 const Acc raw = s_t[mi][n][e];
+                const Acc capped = score.capped(raw);  // softcap's tanh, once: the value's and the derivative's
                 // The log2-domain score minus lse2; -inf where masked.
-                const Acc x = (fast ? (Sc::kPlain ? raw * score.op.scale_log2 : score.value(raw, i, j))
-                                    : (i < i1 && j < key_end ? score(raw, i, j, Band(p, hv)) : neg_inf<Acc>()))
+                const Acc x = (fast ? (Sc::kPlain ? raw * score.op.scale_log2 : score.value(capped, i, j))
+                                    : (i < i1 && j < key_end ? score(capped, i, j, Band(p, hv)) : neg_inf<Acc>()))
                               - sLset[c];
                 const bool live = fast || x != neg_inf<Acc>();
                 const Acc pe = live ? softmax_exp2(x) : Acc(0);  // P^T = exp(S^T - lse)
                 const Acc z = Sc::kDropout ? (keep.kept(mi, n, e) ? dropout_scale : Acc(0)) : Acc(1);
                 Acc ds = live ? pe * (dp_t[mi][n][e] * z - sDeltat[c]) : Acc(0);  // dS^T = P^T (dP^T z - D)
-                score.derivative(bp, ds, raw, i, j, owner);  // dbias += dS; softcap's chain rule
+                score.derivative(bp, ds, capped, i, j, owner);  // dbias += dS; softcap's chain rule
                 s_t[mi][n][e] = pe * z;  // P' = P z
                 dp_t[mi][n][e] = ds;
             }
@@ -404,8 +405,8 @@ __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C
 }
 
 // Whether a set's element pass splits in two (OptionElements): every option's derivative is
-// dS itself or a bias gradient taking dS, none needs the raw score once P has replaced it in
-// S^T's registers (softcap's chain rule does: its sets keep full_elements' one pass).
+// dS itself or a bias gradient taking dS, none needs the score once P has replaced it in
+// S^T's registers (softcap's chain rule needs its tanh: its sets keep full_elements' one pass).
 template <typename Set> constexpr bool kTwoPassElements = Set::kFull && (Set::kMods & kModSoftcap) == 0;
 
 // The element pass of tiles with options in two passes, as BwdElements' for PlainScores: P^T
@@ -423,7 +424,7 @@ template <typename Acc, typename Set, int BLOCK_R, int BLOCK_C, typename Staged>
 struct OptionElements {
     using Sc = Scores<Acc, Set>;
     using Ops = TransposedOperands<typename Staged::B, Staged::LDB, Staged::LDM>;
-    static_assert(kTwoPassElements<Set>, "softcap's derivative needs the raw score: full_elements");
+    static_assert(kTwoPassElements<Set>, "softcap's derivative needs its tanh once P replaced S^T: full_elements");
     static_assert(!Staged::kAny || (Staged::kBias == ((Set::kMods & kModBias) != 0)
                                     && Staged::kMask == ((Set::kMods & kModMask) != 0)),
                   "the set's bias and mask staged, or neither");
@@ -471,13 +472,13 @@ struct OptionElements {
                             // Read only where kept (&&): rows past the tile's may lie past the block mask's.
                             kept = kept && score.op.block_unmasked(blk.p, i, j);
                         }
-                        const Acc x = score.op.value_at(s, b, d) - sLse[c];
+                        const Acc x = score.op.value_at(score.capped(s), b, d) - sLse[c];
                         s = kept ? softmax_exp2(x) : Acc(0);
                     } else if (FAST) {
                         const Acc b = score.op.bias_log2(blk.p, min(i, hv.q_len - 1), j);  // 0 without a bias
-                        s = softmax_exp2(score.op.value_at(s, b, d) - sLse[c]);
+                        s = softmax_exp2(score.op.value_at(score.capped(s), b, d) - sLse[c]);
                     } else {
-                        const Acc x = i < i1 && j < key_end ? score(s, i, j, band) : neg_inf<Acc>();  // -inf: masked
+                        const Acc x = i < i1 && j < key_end ? score(score.capped(s), i, j, band) : neg_inf<Acc>();  // -inf: masked
                         s = x == neg_inf<Acc>() ? Acc(0) : softmax_exp2(x - sLse[c]);
                     }
                 }
@@ -503,7 +504,7 @@ struct OptionElements {
                     // P = 0 gives dS = 0 even where dP overflowed (0 * inf): off the fast path, and
                     // on fast tiles with a staged mask, whose masked scores have P = 0 there.
                     if (!FAST || Staged::kMask) ds = pe != Acc(0) ? ds : Acc(0);
-                    score.derivative(blk.bp, ds, Acc(0), i0 + c, j, owner);  // dbias += dS
+                    score.derivative(blk.bp, ds, Acc(0), i0 + c, j, owner);  // dbias += dS (no softcap here)
                     s_t[mi][n][e] = pe * z;
                     dp_t[mi][n][e] = ds;
                 }

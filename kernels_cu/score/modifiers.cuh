@@ -110,25 +110,36 @@ struct ScoreOp {
         }
     }
 
-    // The log2-domain value of score (i, j) from raw = q.k, before any mask: scale and
-    // softcap, then bias (read from global memory at row min(i, q_len - 1): rows past q_len
-    // are discarded, and must not read past the bias), then ALiBi. The per-score form, for
-    // the backward's element passes; the forward's tiles take values() and staged operands.
-    __device__ __forceinline__ Acc value(const Params& p, const HeadView& hv, Acc raw, int i, int j) const {
-        return value_at(raw, bias_log2(p, min(i, hv.q_len - 1), j), alibi_base(hv, i, j));
+    // softcap's tanh(scale q.k / c) of raw = q.k; raw itself without softcap. The per-score
+    // forms below take it (x), so the backward's element passes compute it once a score for
+    // the value and for softcap's derivative.
+    __device__ __forceinline__ Acc capped(Acc raw) const {
+        if constexpr ((M & kModSoftcap) != 0) {
+            return cap_tanh(raw * scale * inv_softcap);
+        } else {
+            return raw;
+        }
     }
 
-    // value() from raw, the bias term b_log2 = bias[i, j] * log2(e) (ignored without a bias)
-    // and ALiBi's offset d = i + Lk - Lq - j as a float. A tile's callers form d as one
-    // converted base plus the element's compile-time offset (alibi_base): an integer
+    // The log2-domain value of score (i, j) from x = capped(q.k), before any mask: scale
+    // and softcap, then bias (read from global memory at row min(i, q_len - 1): rows past
+    // q_len are discarded, and must not read past the bias), then ALiBi. The per-score form,
+    // for the backward's element passes; the forward's tiles take values() and staged operands.
+    __device__ __forceinline__ Acc value(const Params& p, const HeadView& hv, Acc x, int i, int j) const {
+        return value_at(x, bias_log2(p, min(i, hv.q_len - 1), j), alibi_base(hv, i, j));
+    }
+
+    // value() from x = capped(q.k), the bias term b_log2 = bias[i, j] * log2(e) (ignored
+    // without a bias) and ALiBi's offset d = i + Lk - Lq - j as a float. A tile's callers form
+    // d as one converted base plus the element's compile-time offset (alibi_base): an integer
     // conversion runs at a sixteenth of the float rate, as exp2 does, and one a score doubled
     // the forward's special-function work. Exact while |d| < 2^24.
-    __device__ __forceinline__ Acc value_at(Acc raw, Acc b_log2, Acc d) const {
+    __device__ __forceinline__ Acc value_at(Acc x, Acc b_log2, Acc d) const {
         Acc s;
         if constexpr ((M & kModSoftcap) != 0) {
-            s = softcap * cap_tanh(raw * scale * inv_softcap) * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
+            s = softcap * x * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
         } else {
-            s = raw * scale_log2;
+            s = x * scale_log2;
         }
         if constexpr ((M & kModBias) != 0) s += b_log2;
         if constexpr ((M & kModAlibi) != 0) s -= slope_log2 * fabs(d);
@@ -155,13 +166,13 @@ struct ScoreOp {
     }
 
     // The log2-domain score of row i < q_len, key j < kv_len (positions inside the sequence)
-    // from raw = q.k. check_band: the tile crosses a causal/window edge, compare per element
-    // with the band's bounds `band` (Band(p, hv), built by the caller: per score, the
+    // from x = capped(q.k). check_band: the tile crosses a causal/window edge, compare per
+    // element with the band's bounds `band` (Band(p, hv), built by the caller: per score, the
     // compiler hoists what it can).
-    __device__ __forceinline__ Acc operator()(const Params& p, const HeadView& hv, Acc raw, int i, int j,
+    __device__ __forceinline__ Acc operator()(const Params& p, const HeadView& hv, Acc x, int i, int j,
                                               bool check_band, const Band& band) const {
         const bool keep = (!check_band | band(i, j)) && unmasked(p, i, j);
-        return keep ? value(p, hv, raw, i, j) : neg_inf<Acc>();
+        return keep ? value(p, hv, x, i, j) : neg_inf<Acc>();
     }
 
     // value() on a whole (16 MI, 8 NP) accumulator tile of S = Q K^T (mma/common.cuh's
@@ -174,7 +185,7 @@ struct ScoreOp {
                                            const Ops& ops) const {
         if constexpr ((M & kModSoftcap) != 0) {
             const Acc log2e = static_cast<Acc>(kLog2e);
-            each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * cap_tanh(x * scale * inv_softcap) * log2e; });
+            each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * capped(x) * log2e; });
         } else {
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x *= scale_log2; });
         }

@@ -21,10 +21,11 @@
 //                     band or the block mask say no (every tile but the fast ones), the bias
 //                     and mask read from the tile's operands staged in shared memory
 //                     (score/tiles.cuh);
-//   per-score form    value(raw, i, j) (no selection) and operator()(raw, i, j, band) (the
-//                     backward's element pass);
-//   derivative        derivative(bp, ds, raw, i, j, owner): the bias gradient's accumulation
-//                     (dbias += dS) and dS through softcap's d(c tanh(x / c)) / dx;
+//   per-score form    value(x, i, j) (no selection) and operator()(x, i, j, band) (the
+//                     backward's element pass), of x = capped(q.k): softcap's tanh, taken
+//                     once a score;
+//   derivative        derivative(bp, ds, x, i, j, owner): the bias gradient's accumulation
+//                     (dbias += dS) and dS through softcap's d(c tanh(s / c)) / ds = 1 - x^2;
 //   dropout on P      keep_tile(i, j): the keep bits of a thread's elements of an
 //                     accumulator tile (KeepBits), or of a transposed one (S^T), drawn where
 //                     the mainloop has the time: before the tile's products land.
@@ -82,22 +83,26 @@ struct Scores {
         }
     }
 
-    // The log2-domain value of score (i, j) from raw = q.k, no selection (i < q_len).
-    __device__ __forceinline__ Acc value(Acc raw, int i, int j) const { return op.value(p, hv, raw, i, j); }
+    // softcap's tanh(scale q.k / c) of raw = q.k (raw itself without softcap): what the
+    // per-score forms below and derivative() take, computed once a score.
+    __device__ __forceinline__ Acc capped(Acc raw) const { return op.capped(raw); }
 
-    // The log2-domain score of row i < q_len, key j < kv_len from raw = q.k, tested against the
-    // band's bounds `band` (Band(p, hv)) and the masks.
-    __device__ __forceinline__ Acc operator()(Acc raw, int i, int j, const Band& band) const {
-        return op(p, hv, raw, i, j, true, band);
+    // The log2-domain value of score (i, j) from x = capped(q.k), no selection (i < q_len).
+    __device__ __forceinline__ Acc value(Acc x, int i, int j) const { return op.value(p, hv, x, i, j); }
+
+    // The log2-domain score of row i < q_len, key j < kv_len from x = capped(q.k), tested
+    // against the band's bounds `band` (Band(p, hv)) and the masks.
+    __device__ __forceinline__ Acc operator()(Acc x, int i, int j, const Band& band) const {
+        return op(p, hv, x, i, j, true, band);
     }
 
-    // The backward through the modifiers at score (i, j) of this head, raw = q.k, ds = dL/dS
-    // of the modified score: the bias enters after softcap, so dbias[i, j] += dS as it is
-    // (where a bias gradient is asked for and `owner`: the caller is the one block that adds
-    // this score's share), then ds *= d(c tanh(x / c)) / dx = 1 - tanh^2 at the scaled
-    // score, with softcap. dbias is in the accumulator dtype, strided by bp.db_* (0 on the
-    // bias' broadcast axes, so their scores add into one element).
-    __device__ __forceinline__ void derivative(const BwdParams& bp, Acc& ds, Acc raw, int i, int j,
+    // The backward through the modifiers at score (i, j) of this head, x = capped(q.k),
+    // ds = dL/dS of the modified score: the bias enters after softcap, so dbias[i, j] += dS as
+    // it is (where a bias gradient is asked for and `owner`: the caller is the one block that
+    // adds this score's share), then ds *= d(c tanh(s / c)) / ds = 1 - tanh^2 = 1 - x^2, with
+    // softcap. dbias is in the accumulator dtype, strided by bp.db_* (0 on the bias' broadcast
+    // axes, so their scores add into one element).
+    __device__ __forceinline__ void derivative(const BwdParams& bp, Acc& ds, Acc x, int i, int j,
                                                bool owner) const {
         if constexpr ((kMods & kModBias) != 0) {
             if (owner && bp.dbias != nullptr && ds != Acc(0)) {
@@ -106,10 +111,7 @@ struct Scores {
                           ds);
             }
         }
-        if constexpr ((kMods & kModSoftcap) != 0) {
-            const Acc th = op.cap_tanh(raw * op.scale * op.inv_softcap);
-            ds *= Acc(1) - th * th;
-        }
+        if constexpr ((kMods & kModSoftcap) != 0) ds *= Acc(1) - x * x;
     }
 
     // The keep bits of a thread's (16 MI, 8 NT) tile: rows i + 16 mi and keys j + 8 n
