@@ -40,7 +40,8 @@ SOURCES: dict[str, list[str]] = {
                 "nvidia-h100-80gb-hbm3-2026-11-28-options-staged.json",
                 "nvidia-h200-2026-11-28-options-bwd-staged.json", "nvidia-h200-2026-11-28-options-bwd-mask128.json",
                 "nvidia-h200-2026-11-28-options-d128bias-alibi.json", "nvidia-h200-2026-11-28-options-whole-tiles.json",
-                "nvidia-h200-2026-11-28-options-softcap.json", "nvidia-h200-2026-11-28-options-dropout.json"],
+                "nvidia-h200-2026-11-28-options-softcap.json", "nvidia-h200-2026-11-28-options-dropout.json",
+                "nvidia-h200-2026-11-28-options-softcap-once.json"],
     "decode": ["nvidia-h200-2026-11-28-decode-host-path.json"],
     "cpu": ["cpu-2026-11-27.json"],
 }
