@@ -24,7 +24,8 @@ a Philox output::
 so one Philox call serves eight consecutive columns.  ``True`` means kept; a
 kept element is scaled by ``1 / (1 - p)`` by the caller.  p is thus drawn at
 a resolution of 2**-16: the keep probability is 1 - t / 2**16, within 2**-17
-of 1 - p (and p below 2**-17 drops nothing).
+of 1 - p up to p = 1 - 2**-17 (above, t's clamp keeps 2**-16 of the
+elements); p at or below 2**-17 drops nothing.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -128,7 +129,7 @@ def _to_array(x: Any) -> Any:
     return x.numpy()
 
 
-def _to_tensor(a: Any, allocations: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+def _to_tensor(a: Any, allocations: weakref.WeakValueDictionary | None = None) -> torch.Tensor:
     """A NumPy or CuPy result as a torch tensor sharing its memory: a CuPy array that starts
     an allocation of ``allocations`` (_TorchMemory's, by address) as a view of that torch
     tensor, any other through DLPack."""
@@ -138,7 +139,7 @@ def _to_tensor(a: Any, allocations: dict[int, torch.Tensor] | None = None) -> to
         return torch.from_numpy(a)
     block = allocations.get(a.data.ptr) if allocations and a.size else None
     dtype = _torch_dtype(a.dtype) if block is not None else None
-    if dtype is None or any(s % a.itemsize for s in a.strides):
+    if dtype is None or any(s % a.itemsize or s < 0 for s in a.strides):
         return torch.from_dlpack(a)
     return block.view(dtype).as_strided(a.shape, tuple(s // a.itemsize for s in a.strides))
 
@@ -146,10 +147,9 @@ def _to_tensor(a: Any, allocations: dict[int, torch.Tensor] | None = None) -> to
 # --------------------------------------------------------------------------- streams
 
 
-#: torch's current stream and CuPy's device per (device index, raw stream): a CuPy stream
-#: object over the same CUDA stream, built once (building one each call cost a call's
-#: microseconds).
-_CUPY_STREAMS: dict[tuple[int, int], tuple[Any, Any]] = {}
+#: torch's current stream per (device index, raw stream): a CuPy stream object over the same
+#: CUDA stream, built once (building one each call cost a call's microseconds).
+_CUPY_STREAMS: dict[tuple[int, int], Any] = {}
 
 
 def _current_raw_stream(index: int) -> int:
@@ -158,8 +158,8 @@ def _current_raw_stream(index: int) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _external_stream(device: torch.device) -> tuple[Any, Any]:
-    """(CuPy's device, torch's current stream on it as a CuPy stream, not owned by CuPy)."""
+def _external_stream(device: torch.device) -> Any:
+    """torch's current stream on ``device`` as a CuPy stream (not owned by CuPy)."""
     key = (device.index, _current_raw_stream(device.index))
     found = _CUPY_STREAMS.get(key)
     if found is None:
@@ -172,18 +172,20 @@ def _external_stream(device: torch.device) -> tuple[Any, Any]:
             with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older CuPy has only it
                 warnings.filterwarnings("ignore", message="ExternalStream is deprecated", category=DeprecationWarning)
                 stream = cupy.cuda.ExternalStream(key[1], device.index)
-        found = _CUPY_STREAMS[key] = (cupy.cuda.Device(device.index), stream)
+        found = _CUPY_STREAMS[key] = stream
     return found
 
 
 class _TorchMemory:
     """CuPy's allocator for one call: each allocation a torch uint8 tensor from torch's caching
-    allocator (on torch's current stream), kept by address in ``allocations`` so results can
-    go back to torch as views of it (_to_tensor). The CuPy memory holds the tensor alive."""
+    allocator (on torch's current stream), found by address in ``allocations`` while alive so
+    results can go back to torch as views of it (_to_tensor). The CuPy memory holds the tensor
+    alive; ``allocations`` does not (weakly), so what the call frees goes back to torch's
+    allocator at once."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.allocations: dict[int, torch.Tensor] = {}
+        self.allocations: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def __call__(self, nbytes: int) -> Any:
         import cupy
@@ -204,9 +206,10 @@ def _on_device(device: torch.device):
         return
     import cupy
 
-    cupy_device, stream = _external_stream(device)
+    stream = _external_stream(device)
     memory = _TorchMemory(device)
-    with cupy_device, stream, cupy.cuda.using_allocator(memory):
+    # A Device per call: its context keeps its stack on the object, not per thread.
+    with cupy.cuda.Device(device.index), stream, cupy.cuda.using_allocator(memory):
         yield memory.allocations
 
 

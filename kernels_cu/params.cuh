@@ -57,7 +57,7 @@ struct Params {
     i32 causal;            // Causal
     i32 window_left, window_right;  // < 0: unbounded
     i32 block_size;        // block_mask granularity
-    u32 dropout_threshold;  // keep iff Philox word >= threshold (read where ScoreMods has kModDropout)
+    u32 dropout_threshold;  // keep iff a 16-bit Philox half >= threshold (read where ScoreMods has kModDropout)
     u32 dropout_offset;
     i32 dv_stored;         // v's last-axis length in memory (dv padded to 16 bytes)
     i32 row_blocks;        // the forward's row blocks per Dv chunk: grid x = row_blocks x chunks, rows

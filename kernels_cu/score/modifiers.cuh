@@ -31,8 +31,8 @@ template <> constexpr bool kIsVoid<void> = true;
 
 // A kernel's score option set: MODS (ScoreMod bits) and B, the bias' element type (void
 // without a bias). The host passes exactly the options of the call: a bit set means the
-// option is present (its pointer non-null, dropout_threshold non-zero), so no kernel tests
-// for it again.
+// option is present (its pointer non-null, dropout_p > 0: its threshold may still be 0, a p
+// at or below 2^-17 dropping nothing), so no kernel tests for it again.
 template <unsigned MODS, typename B = void>
 struct ScoreMods {
     static constexpr unsigned kMods = MODS;
