@@ -105,6 +105,8 @@ struct OnlineSoftmax {
         return scores.template keep_tile<MI, NP>(r0, k.j + 2 * t);
     }
 
+    // exponentiate with the tile's dropout bits drawn here, for mainloops with no earlier
+    // place to draw them.
     template <int NP>
     __device__ __forceinline__ void exponentiate(Acc (&sp)[MI][NP][4], const KeyTile& k, const int jt1,
                                                  Acc (&alpha)[2 * MI], int stage) {
