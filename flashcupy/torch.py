@@ -78,12 +78,16 @@ _VIEW_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.
                 torch.int64: np.dtype(np.int64), torch.uint8: np.dtype(np.uint8)}
 
 
+#: _VIEW_DTYPES the other way, for results going back to torch.
+_TORCH_DTYPES = {np_dtype: torch_dtype for torch_dtype, np_dtype in _VIEW_DTYPES.items()}
+
+
 def _torch_dtype(dtype: np.dtype) -> torch.dtype | None:
     """The torch dtype of a NumPy element type _cuda_view takes (bfloat16 as ml_dtypes'), else None."""
-    for torch_dtype, np_dtype in _VIEW_DTYPES.items():
-        if dtype == np_dtype:
-            return torch_dtype
-    return torch.bfloat16 if dtype == _bf16_numpy() else None
+    found = _TORCH_DTYPES.get(dtype)
+    if found is None and dtype == _bf16_numpy():
+        return torch.bfloat16
+    return found
 
 
 def _cuda_view(x: torch.Tensor) -> Any:
