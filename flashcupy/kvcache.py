@@ -378,7 +378,7 @@ def _layout(q, k_cache, v_cache, k, v, block_table, options, num_splits) -> _Lay
         whole = (k_cache, v_cache) if not paged else tuple(
             _standin(xp, q.dtype, (batch, hk, capacity, c.shape[-1])) for c in (k_cache, v_cache))
         pb = make_device_problem(q, *whole, options)
-        _cuda_decode().kernels(q, v_cache, pb)  # compiled before the cache is written
+        _cuda_decode().kernels(q, v_cache, pb, block_size)  # compiled before the cache is written
         pb = _without_arrays(pb)  # a kept layout must not keep this call's q and caches alive
     return _Layout(xp, paged, batch, hk, d, v_cache.shape[-1], block_size, n_blocks, capacity, new, decode, pb, {})
 

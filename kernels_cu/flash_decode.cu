@@ -22,6 +22,8 @@
 #include "decode_params.cuh"
 #include "mma/f16.cuh"
 #include "numeric.cuh"
+#include "shared_storage.cuh"
+#include "tma.cuh"
 
 namespace flash {
 
@@ -397,8 +399,11 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800  // mma.sync m16n8k16 and ldmatrix: sm_80+
 
 // The tile shapes and shared-memory layout of decode_split_mma (16-bit inputs), decided here
-// once; the host (flashcupy/cuda/decode.py) launches with SMEM_BYTES = kBytes.
-template <typename T, int HK, int HV>
+// once; the host (flashcupy/cuda/decode.py) launches with SMEM_BYTES = kBytes. TMA: K and V
+// tiles come by tensor copies (sm_90+, head dims of whole 64-column boxes) as Sw128Tile slabs
+// (a copy's box each), each warp's stages completing on its own mbarriers; otherwise by
+// cp.async into PaddedTile rows.
+template <typename T, int HK, int HV, bool TMA>
 struct DecodeMmaShape {
     static constexpr int kWarps = 4;
     static constexpr int kThreads = 32 * kWarps;
@@ -408,22 +413,32 @@ struct DecodeMmaShape {
     // Stages a warp: two tiles in flight behind the one in use, two at D 256 (the block's
     // shared memory stays under one SM's).
     static constexpr int kStages = HK + HV > 256 ? 2 : 3;
-    // Row pitches in elements: one 16-byte chunk of padding, so ldmatrix's 8 rows of a phase
-    // start in distinct banks.
-    static constexpr int kLdK = HK + kVec, kLdV = HV + kVec;
-    static constexpr int kStageBytes = kKeys * (kLdK + kLdV) * int(sizeof(T));
+    using KTile = typename TileKind<TMA>::template type<T, kKeys, HK>;  // (kKeys, HK)
+    using VTile = typename TileKind<TMA>::template type<T, kKeys, HV>;  // (kKeys, HV)
+    static constexpr int kKBytes = KTile::ELEMS * int(sizeof(T)), kVBytes = VTile::ELEMS * int(sizeof(T));
+    static constexpr int kStageBytes = kKBytes + kVBytes;
     static constexpr int kWarpBytes = kStages * kStageBytes;
     static constexpr int kTilesBytes = kWarps * kWarpBytes;
     // After the loop: each warp's O (kRows, HV), m and l (kRows) in float, over the stages.
     static constexpr int kMergeBytes = kWarps * kRows * (HV + 2) * 4;
     static constexpr int kQOffset = kTilesBytes > kMergeBytes ? kTilesBytes : kMergeBytes;
-    static constexpr int kRowOffset = kQOffset + kRows * kLdK * int(sizeof(T));
-    // Per row: ALiBi slope (float), lo, hi, pos (int).
-    static constexpr int kBytes = kRowOffset + kRows * 4 * 4;
+    static constexpr int kLdQ = HK + kVec;  // Q's pitch in elements (padded as PaddedTile)
+    static constexpr int kRowOffset = kQOffset + kRows * kLdQ * int(sizeof(T));
+    // Per row: ALiBi slope (float), lo, hi, pos (int); then, TMA, a barrier a warp's stage.
+    static constexpr int kBarOffset = kRowOffset + kRows * 4 * 4;
+    static constexpr int kBytes = smem_bytes<TMA>(kBarOffset + (TMA ? kWarps * kStages * 8 : 0));
 
     static_assert(sizeof(T) == 2, "mma.sync m16n8k16 takes 16-bit inputs");
     static_assert(HK % 16 == 0 && HV % 16 == 0, "m16n8k16 tiles");
+    static_assert(kStageBytes % (TMA ? 1024 : 16) == 0 && kBarOffset % 8 == 0, "stages keep the tiles' alignment");
     static_assert(kBytes <= 227 * 1024, "shared memory of one block on sm_90");
+};
+
+// The K and V tensor maps of a TMA decode kernel (a __grid_constant__ parameter; zero and
+// unread otherwise): 4-d (D, rows, Hk, B) over a contiguous cache or (D, page, Hk, num_blocks)
+// over a paged one, boxes of (64, 16, 1, 1) with the 128-byte swizzle.
+struct DecodeMaps {
+    TensorMap k, v;
 };
 
 // Where a warp's tile of keys k0 .. k0 + KEYS - 1 starts in the cache: the sequence (or, paged,
@@ -444,11 +459,11 @@ __device__ __forceinline__ TileStart tile_start(const DecodeParams& p, int b, in
 }
 
 // Rows k0 .. k0 + KEYS - 1 (those below hi; the rest zero) of a K or V cache, H columns (those
-// below cols; the rest zero), into dst with a pitch of ld elements, by one warp: each copy
+// below cols; the rest zero), into a Tile at dst by one warp through cp.async: each copy
 // instruction covers whole rows (32 / chunks-a-row of them), so L2 sees full 128-byte lines
 // rather than a sector of each of 16 rows.
-template <typename T, int H, int KEYS>
-__device__ __forceinline__ void copy_rows(const DecodeParams& p, T* dst, int ld, const T* base, i64 sb, i64 sh,
+template <typename T, int H, int KEYS, typename Tile>
+__device__ __forceinline__ void copy_rows(const DecodeParams& p, unsigned char* dst, const T* base, i64 sb, i64 sh,
                                           i64 sr, int cols, int b, int hk, int k0, int hi, TileStart start) {
     constexpr int VEC = 16 / int(sizeof(T)), CPR = H / VEC, RPI = 32 / CPR;  // chunks a row, rows an instruction
     static_assert(CPR <= 32 && KEYS % RPI == 0, "whole rows an instruction");
@@ -461,7 +476,7 @@ __device__ __forceinline__ void copy_rows(const DecodeParams& p, T* dst, int ld,
         const T* src = first + r0 * sr;
         const i64 step = RPI * sr;
 #pragma unroll
-        for (int i = 0; i < KEYS / RPI; ++i, src += step) cp_async_16(dst + (r0 + i * RPI) * ld + ch * VEC, src, true);
+        for (int i = 0; i < KEYS / RPI; ++i, src += step) cp_async_16(dst + Tile::chunk_offset(r0 + i * RPI, ch), src, true);
         return;
     }
 #pragma unroll
@@ -469,20 +484,27 @@ __device__ __forceinline__ void copy_rows(const DecodeParams& p, T* dst, int ld,
         const int r = r0 + i * RPI, key = k0 + r;
         const bool ok = key < hi && ch * VEC < cols;
         const T* src = !ok ? base : start.run ? first + r * sr : cache_row(p, base, sb, sh, sr, b, hk, key) + ch * VEC;
-        cp_async_16(dst + r * ld + ch * VEC, src, ok);
+        cp_async_16(dst + Tile::chunk_offset(r, ch), src, ok);
     }
 }
 
-template <typename T, int HK, int HV, int SMEM_BYTES>
-__global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
-    using Shape = DecodeMmaShape<T, HK, HV>;
-    using Mma = MmaF16<T, 1>;
-    constexpr int WARPS = Shape::kWarps, KEYS = Shape::kKeys, STAGES = Shape::kStages, VEC = Shape::kVec;
-    constexpr int ROWS = Shape::kRows, LDK = Shape::kLdK, LDV = Shape::kLdV;
+template <typename T, int HK, int HV, bool TMA, int SMEM_BYTES>
+__global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, const __grid_constant__ DecodeMaps maps) {
+    using Shape = DecodeMmaShape<T, HK, HV, TMA>;
+    using KTile = typename Shape::KTile;
+    using VTile = typename Shape::VTile;
+    constexpr int WARPS = Shape::kWarps, KEYS = Shape::kKeys, STAGES = Shape::kStages;
+    constexpr int ROWS = Shape::kRows, LDQ = Shape::kLdQ;
     static_assert(SMEM_BYTES == Shape::kBytes, "the host launches with the kernel's shared memory");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!TMA, "tensor copies need sm_90");
+#endif
 
-    extern __shared__ __align__(16) unsigned char smem[];
-    T* sQ = reinterpret_cast<T*>(smem + Shape::kQOffset);            // (ROWS, LDK) q, zero past rows and d
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // TMA: tiles from the first 1024-byte boundary (as tiles_base; written out here because
+    // ptxas allocated the kernel 168 registers and 20 bytes of spills through that call).
+    unsigned char* smem = smem_raw + (TMA ? (1024 - shared_u32(smem_raw) % 1024) % 1024 : 0);
+    T* sQ = reinterpret_cast<T*>(smem + Shape::kQOffset);            // (ROWS, LDQ) q, zero past rows and d
     float* sSlope = reinterpret_cast<float*>(smem + Shape::kRowOffset);
     int* sLo = reinterpret_cast<int*>(sSlope + ROWS);
     int* sHi = sLo + ROWS;
@@ -497,6 +519,9 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     const T* gQ = static_cast<const T*>(p.q);
     const T* gK = static_cast<const T*>(p.k);
     const T* gV = static_cast<const T*>(p.v);
+    // This warp's stage barriers (TMA): stage s of the warp's n-th tile is n % STAGES, its
+    // phase parity (n / STAGES) & 1.
+    const u32 bars = shared_u32(smem + Shape::kBarOffset) + 8 * STAGES * warp;
 
     if (tid < ROWS) {
         const DecodeRow row = decode_row(p, b, hk, tid, rows, keys);
@@ -505,8 +530,8 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
         sPos[tid] = row.pos;
         sSlope[tid] = float(row.slope);
     }
-    for (int e = tid; e < ROWS * LDK; e += Shape::kThreads) {
-        const int r = e / LDK, c = e % LDK;
+    for (int e = tid; e < ROWS * LDQ; e += Shape::kThreads) {
+        const int r = e / LDQ, c = e % LDQ;
         T x = T(0.0f);
         if (r < rows && c < p.d) {
             const int i = r % p.lq, hq = hk * group + r / p.lq;
@@ -514,6 +539,12 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
         }
         sQ[e] = x;
     }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (TMA) {
+        if (lane < STAGES) mbarrier_init(bars + 8 * lane, 1);
+        mbarrier_init_fence();
+    }
+#endif
     __syncthreads();
     int lo, hi;
     decode_block_keys(p, sLo, sHi, rows, keys, lo, hi);
@@ -530,19 +561,64 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     const int tiles = hi > lo ? (hi - lo + KEYS - 1) / KEYS : 0;
     const int mine = tiles > warp ? (tiles - warp + WARPS - 1) / WARPS : 0;  // tiles warp, warp + WARPS, ...
 
-    // This warp's n-th tile of K and V into stage s.
+    // This warp's n-th tile of K and V into stage s. TMA: a tile of whole rows inside the
+    // sequence and one run of memory is two tensor copies' boxes per 64 columns, by lane 0; a
+    // tail tile (rows past hi, which must read as zeros, not as whatever the cache holds
+    // there) or one crossing a page goes through cp.async, every lane's copies arriving on
+    // the stage's barrier when they land.
     unsigned char* sWarp = smem + warp * Shape::kWarpBytes;
     auto load_tile = [&](int n, int s) {
-        T* sK = reinterpret_cast<T*>(sWarp + s * Shape::kStageBytes);
+        unsigned char* sK = sWarp + s * Shape::kStageBytes;
+        unsigned char* sV = sK + Shape::kKBytes;
         const int k0 = lo + (warp + n * WARPS) * KEYS;
         const TileStart start = tile_start<KEYS>(p, b, k0);
-        copy_rows<T, HK, KEYS>(p, sK, LDK, gK, p.k_sb, p.k_sh, p.k_sr, p.d, b, hk, k0, hi, start);
-        copy_rows<T, HV, KEYS>(p, sK + KEYS * LDK, LDV, gV, p.v_sb, p.v_sh, p.v_sr, p.dv, b, hk, k0, hi, start);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if constexpr (TMA) {
+            const u32 bar = bars + 8 * s;
+            if (start.run && k0 + KEYS <= hi) {
+                if (lane == 0) {
+                    fence_proxy_async_shared();  // the stage's earlier reads and cp.async writes come first
+                    mbarrier_arrive_expect(bar, Shape::kStageBytes);
+#pragma unroll
+                    for (int c = 0; c < HK; c += KTile::SLAB_COLS)  // a box a slab
+                        tma_load_4d(shared_u32(sK + 2 * KTile::column(c)), &maps.k, c, start.row, hk, int(start.block),
+                                    bar);
+#pragma unroll
+                    for (int c = 0; c < HV; c += VTile::SLAB_COLS)
+                        tma_load_4d(shared_u32(sV + 2 * VTile::column(c)), &maps.v, c, start.row, hk, int(start.block),
+                                    bar);
+                }
+                return;
+            }
+        }
+#endif
+        copy_rows<T, HK, KEYS, KTile>(p, sK, gK, p.k_sb, p.k_sh, p.k_sr, p.d, b, hk, k0, hi, start);
+        copy_rows<T, HV, KEYS, VTile>(p, sV, gV, p.v_sb, p.v_sh, p.v_sr, p.dv, b, hk, k0, hi, start);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if constexpr (TMA) {
+            cp_async_mbarrier_arrive(bars + 8 * s);
+            __syncwarp();  // every lane's tracked arrival is counted before lane 0's own
+            if (lane == 0) mbarrier_arrive(bars + 8 * s);
+        }
+#endif
+    };
+    // Waits for this warp's n-th tile (stage n % STAGES).
+    auto wait_tile = [&](int n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if constexpr (TMA) {
+            mbarrier_wait(bars + 8 * (n % STAGES), (n / STAGES) & 1);
+            return;
+        }
+#endif
+        cp_async_wait<STAGES - 2>();
+    };
+    auto commit = [&] {
+        if constexpr (!TMA) cp_async_commit();
     };
 #pragma unroll
     for (int n = 0; n < STAGES - 1; ++n) {
         if (n < mine) load_tile(n, n);
-        cp_async_commit();
+        commit();
     }
 
     // Accumulator fragments: lane holds rows g = lane / 4 and g + 8, columns 2 (lane % 4) (+1)
@@ -555,35 +631,35 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
     // an O of at most 128 - HK columns' worth: at HK 128 with HV 256 they spilled 8 bytes),
     // else read from shared memory each tile.
     constexpr bool kQInRegisters = HK <= 128 && HK + HV <= 256;
+    auto q_frag = [&](u32 (&a)[4], int kk) { ldmatrix_x4(a, sQ + (lane & 15) * LDQ + 16 * kk + (lane >> 4) * 8); };
     u32 rQ[kQInRegisters ? HK / 16 : 1][4];
     if constexpr (kQInRegisters) {
 #pragma unroll
-        for (int kk = 0; kk < HK / 16; ++kk) ldmatrix_x4(rQ[kk], sQ + (lane & 15) * LDK + 16 * kk + (lane >> 4) * 8);
+        for (int kk = 0; kk < HK / 16; ++kk) q_frag(rQ[kk], kk);
     }
     const float slope[2] = {sSlope[g], sSlope[g + 8]};
     const int pos[2] = {sPos[g], sPos[g + 8]}, rlo[2] = {sLo[g], sLo[g + 8]}, rhi[2] = {sHi[g], sHi[g + 8]};
 
     for (int n = 0; n < mine; ++n) {
-        cp_async_wait<STAGES - 2>();
+        wait_tile(n);
         __syncwarp();  // the tile's rows, copied by every lane, seen by all; the stage refilled below is free
         if (n + STAGES - 1 < mine) load_tile(n + STAGES - 1, (n + STAGES - 1) % STAGES);
-        cp_async_commit();
-        const T* sK = reinterpret_cast<const T*>(sWarp + (n % STAGES) * Shape::kStageBytes);
-        const T* sV = sK + KEYS * LDK;
+        commit();
+        const unsigned char* sK = sWarp + (n % STAGES) * Shape::kStageBytes;
+        const unsigned char* sV = sK + Shape::kKBytes;
         const int k0 = lo + (warp + n * WARPS) * KEYS;
 
         float rS[1][KEYS / 8][4];  // S = Q K^T (16, 16)
         zero_acc(rS);
-        if constexpr (kQInRegisters) {
 #pragma unroll
-            for (int kk = 0; kk < HK / 16; ++kk) {
-                u32 rK[4];  // K rows 0-15: matrices (keys 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
-                ldmatrix_x4(rK, sK + ((lane & 7) + (lane >> 4) * 8) * LDK + 16 * kk + ((lane >> 3) & 1) * 8);
-                MmaF16Types<T>::mma(rS[0][0], rQ[kk], rK[0], rK[1]);
-                MmaF16Types<T>::mma(rS[0][1], rQ[kk], rK[2], rK[3]);
-            }
-        } else {
-            Mma::template qk<HK, KEYS, LDK, LDK>(sQ, sK, rS);
+        for (int kk = 0; kk < HK / 16; ++kk) {
+            u32 rK[4];  // K rows 0-15: matrices (keys 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15)
+            ldmatrix_x4(rK, sK + KTile::chunk_offset((lane & 7) + (lane >> 4) * 8, 2 * kk + ((lane >> 3) & 1)));
+            u32 rQk[4];
+            if constexpr (!kQInRegisters) q_frag(rQk, kk);
+            const u32(&a)[4] = kQInRegisters ? rQ[kQInRegisters ? kk : 0] : rQk;
+            MmaF16Types<T>::mma(rS[0][0], a, rK[0], rK[1]);
+            MmaF16Types<T>::mma(rS[0][1], a, rK[2], rK[3]);
         }
         float mx[2] = {neg_inf<float>(), neg_inf<float>()};
         const bool plain = plain_block && k0 >= all_lo && k0 + KEYS <= all_hi;  // no score needs more than the scale
@@ -625,11 +701,19 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) rO[0][j][e] *= alpha[e / 2];
         }
-        typename Mma::template PFrag<KEYS> rP;  // P in T, an A fragment (16, 16)
-        Mma::template pack_p<KEYS>(rS, rP);
-        Mma::template pv<KEYS, HV, LDV>(rP, sV, rO);
+        // O += P V: P (16, 16) in T as an A fragment; V^T through ldmatrix.trans, matrices
+        // (keys 0-7, d 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) of each 16 columns.
+        typename MmaF16<T, 1>::template PFrag<KEYS> rP;
+        MmaF16<T, 1>::template pack_p<KEYS>(rS, rP);
+#pragma unroll
+        for (int np = 0; np < HV / 16; ++np) {
+            u32 rV[4];
+            ldmatrix_x4_trans(rV, sV + VTile::chunk_offset((lane & 7) + ((lane >> 3) & 1) * 8, 2 * np + (lane >> 4)));
+            MmaF16Types<T>::mma(rO[0][2 * np], rP[0][0], rV[0], rV[1]);
+            MmaF16Types<T>::mma(rO[0][2 * np + 1], rP[0][0], rV[2], rV[3]);
+        }
     }
-    cp_async_wait<0>();
+    if constexpr (!TMA) cp_async_wait<0>();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);

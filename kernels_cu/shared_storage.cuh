@@ -19,6 +19,9 @@ struct PaddedTile {
     static constexpr int LD = COLS + 16 / sizeof(T);
     static constexpr int ELEMS = ROWS * LD;
 
+    // Byte offset of the 16-byte chunk c of row r.
+    static __device__ __forceinline__ int chunk_offset(int r, int c) { return r * LD * int(sizeof(T)) + 16 * c; }
+
     template <int THREADS>
     static __device__ __forceinline__ void load(T* smem, const T* gmem, i64 stride, int valid_rows, int valid_cols) {
         load_tile<T, ROWS, COLS, LD, THREADS>(smem, gmem, stride, valid_rows, valid_cols);

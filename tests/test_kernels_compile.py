@@ -568,7 +568,8 @@ def test_wgmma_backward_takes_only_option_sets_that_compile_without_spills():
 
 def _decode_kernels(arch: int) -> list[str]:
     """The decode kernels (kernels_cu/flash_decode.cu) a call can reach on ``arch``: mma.sync
-    for 16-bit on sm_80+ at every head-dim pair, the CUDA-core kernel for float32 and float64
+    for 16-bit on sm_80+ at every head-dim pair (cp.async copies, and on sm_90 tensor copies
+    where both head dims are at least 64), the CUDA-core kernel for float32 and float64
     (and 16-bit before sm_80) at each row count, and the merges and appends, named as
     decode.plan names them."""
     from flashcupy.cuda import decode
@@ -578,8 +579,10 @@ def _decode_kernels(arch: int) -> list[str]:
     names = [f"flash::decode_{role}<{t}>" for t in CXX_TYPE.values() for role in ("merge", "append")]
     for dtype, cxx in CXX_TYPE.items():
         if dtype in ("float16", "bfloat16") and arch >= 80:
-            names += [f"flash::decode_split_mma<{cxx}, {hk}, {hv}, {decode.mma_shape(hk, hv)[1]}>"
-                      for hk in dims for hv in dims]
+            names += [f"flash::decode_split_mma<{cxx}, {hk}, {hv}, {str(tma).lower()}, "
+                      f"{decode.mma_shape(hk, hv, tma)[1]}>"
+                      for hk in dims for hv in dims for tma in (False, True) if not tma or (arch >= 90 and hk >= 64
+                                                                                          and hv >= 64)]
         else:
             names += [f"flash::decode_split<{cxx}, {hk}, {hk}, {rows}, {decode.tile_shape(dtype, hk, hk, rows)[1]}>"
                       for hk in dims for rows in (1, 4, 16)]
@@ -612,7 +615,8 @@ def _check_decode(arch: int, names: list[str]) -> None:
 def test_decode_kernels_compile(arch):
     """The representative check: a few decode kernels of each path and the merges."""
     names = _decode_kernels(arch)
-    keep = ("decode_merge<__half>", "decode_append<__half>", "decode_split_mma<__half, 128, 128,", "decode_split<float, 64, 64, 4,",
+    keep = ("decode_merge<__half>", "decode_append<__half>", "decode_split_mma<__half, 128, 128, false,",
+            "decode_split_mma<__half, 128, 128, true,", "decode_split<float, 64, 64, 4,",
             "decode_split<__half, 64, 64, 1,")
     _check_decode(arch, [n for n in names if any(k in n for k in keep)])
 

@@ -355,6 +355,51 @@ def test_decode_splits_change_nothing_but_rounding():
     np.testing.assert_array_equal(outs[2][0].get(), outs[3][0].get())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "paged16", "paged48", "paged8"])
+@pytest.mark.parametrize("d, dv", [(128, 128), (80, 64), (256, 128)])
+def test_tensor_copies_read_only_the_keys_in_use(layout, d, dv):
+    """The decode kernel's tiles by tensor copies (sm_90; cp.async before, and for pages that
+    are not whole 16-key tiles): keys past each sequence's length, and every spare block, hold
+    NaN, yet outputs match the reference: a tail tile reads zeros past the length, a window's
+    tiles that cross a page take the other copy. Lengths end mid-tile; D 80 leaves part of a
+    64-column box outside the head; the transposed cache is a (B, Lmax, Hk, D) buffer seen
+    as (B, Hk, Lmax, D)."""
+    import cupy
+
+    from flashcupy.cuda import decode as cuda_decode
+
+    rs = np.random.default_rng(d + dv)
+    batch, hq, hk, lmax = 3, 8, 2, 300
+    lens = np.array([300, 157, 33])
+    q = rs.standard_normal((batch, hq, 1, d)).astype(F16)
+    kc, vc = (rs.standard_normal((batch, hk, lmax, n)).astype(F16) for n in (d, dv))
+    options = {"window": (200, 0)} if layout != "contiguous" else {}
+    ref_out, ref_lse = _reference(q, kc, vc, kc[:, :, :0], vc[:, :, :0], lens, options)
+    for cache in (kc, vc):
+        for b, n in enumerate(lens):
+            cache[b, :, n:] = np.nan
+    table = None
+    if layout.startswith("paged"):
+        block = int(layout[5:])
+        kc, vc, table = _paged(kc, vc, block, rs)
+        spare = np.setdiff1d(np.arange(len(kc)), table)
+        kc[spare] = np.nan
+        vc[spare] = np.nan
+    caches = [cupy.asarray(c) for c in (kc, vc)]
+    if layout == "transposed":
+        caches = [cupy.ascontiguousarray(c.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for c in caches]
+    with mock.patch.object(cuda_decode.DecodePlan, "launch", autospec=True,
+                           side_effect=cuda_decode.DecodePlan.launch) as launch:
+        out, lse = fc.flash_attention_with_kvcache(cupy.asarray(q), *caches, cache_seqlens=lens, block_table=table,
+                                                   return_lse=True, num_splits=2, **options)
+    hopper = int(cupy.cuda.Device().compute_capability) >= 90
+    expect = "tma" if hopper and layout != "paged8" else "cp.async"
+    assert launch.call_args.args[0].copies == expect
+    assert_rule("out", out.get(), ref_out, ref_out, F16, 1.0)
+    np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("num_splits, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
 def test_bad_num_splits_is_refused(num_splits, error):
     q, kc, vc, k, v = _cache(np.random.default_rng(6))
@@ -559,3 +604,13 @@ def test_a_paged_cache_of_empty_blocks_is_refused():
     with pytest.raises(ValueError, match="k_cache: expected blocks of at least one key"):
         fc.flash_attention_with_kvcache(q, kc[:, :, :0], vc[:, :, :0], block_table=np.zeros((2, 1), np.int32),
                                         backend="cpu")
+
+
+def test_tensor_map_strides_of_single_dims_are_ones_the_driver_takes():
+    """A dim of size 1 is only read at coordinate 0: its stride, which an array may give as
+    anything (here 2 bytes), becomes a 16-byte multiple; the others are kept."""
+    from flashcupy.cuda.tensor_map import strides_for
+
+    assert strides_for((128, 4096, 8, 1), (256, 1048576, 2)) == (256, 1048576, 1048576)
+    assert strides_for((128, 1, 8, 4), (2, 256, 2048)) == (2048, 256, 2048)
+    assert strides_for((64, 16), (128,)) == (128,)

@@ -20,6 +20,7 @@ from . import _dtype_name, _elem_strides, _empty, device_limits
 from . import params as P
 from .compile import get_function, kernel_args, launch_ptr
 from .spec import CXX_TYPE
+from .tensor_map import MAP_BYTES, TensorMapError, encode_tiled, strides_for
 
 #: Head dims the kernel is compiled for (a call's D and Dv each take the smallest that fits).
 HEAD_DIMS = (32, 64, 128, 256)
@@ -38,14 +39,15 @@ MMA_WARPS, MMA_KEYS = 4, 16
 
 
 @functools.cache
-def mma_shape(hk: int, hv: int) -> tuple[int, int]:
-    """(keys a block's step, shared-memory bytes) of decode_split_mma<T, hk, hv> (16-bit T), as
-    DecodeMmaShape works them out (the kernel checks the bytes against its own)."""
+def mma_shape(hk: int, hv: int, tma: bool = False) -> tuple[int, int]:
+    """(keys a block's step, shared-memory bytes) of decode_split_mma<T, hk, hv, tma> (16-bit
+    T), as DecodeMmaShape works them out (the kernel checks the bytes against its own)."""
     stages = 2 if hk + hv > 256 else 3
-    ldk, ldv = hk + 8, hv + 8
-    tiles = MMA_WARPS * stages * MMA_KEYS * (ldk + ldv) * 2
+    tile_k, tile_v = (MMA_KEYS * 2 * h + (0 if tma else MMA_KEYS * 16) for h in (hk, hv))
+    tiles = MMA_WARPS * stages * (tile_k + tile_v)
     merge = MMA_WARPS * 16 * (hv + 2) * 4
-    return MMA_WARPS * MMA_KEYS, max(tiles, merge) + 16 * ldk * 2 + 16 * 4 * 4
+    used = max(tiles, merge) + 16 * (hk + 8) * 2 + 16 * 4 * 4 + (MMA_WARPS * stages * 8 if tma else 0)
+    return MMA_WARPS * MMA_KEYS, used + (1024 if tma else 0)
 
 
 @functools.cache
@@ -62,6 +64,14 @@ def tile_shape(dtype_name: str, hk: int, hv: int, rows: int) -> tuple[int, int]:
     return keys, tiles + rows * hk * acc + rows * keys * acc + rows * (4 * acc + 3 * 4)
 
 
+def tma_fits(dtype: np.dtype, d: int, dv: int, device_id: int) -> bool:
+    """Whether decode_split_mma can take its K and V tiles by tensor copies: sm_90+, 16-bit,
+    both padded head dims whole 64-column boxes (the layout's page and strides are the
+    caller's to check: :meth:`DecodePlan.maps`)."""
+    return (np.dtype(dtype).itemsize == 2 and device_limits(device_id)[0] >= 90
+            and min(_padded(d), _padded(dv)) >= 64)
+
+
 def _padded(d: int) -> int:
     return next(h for h in HEAD_DIMS if h >= d)
 
@@ -71,15 +81,17 @@ def _rows(rows: int) -> int:
 
 
 @functools.cache
-def plan(dtype: np.dtype, d: int, dv: int, rows: int, device_id: int) -> tuple[str, int, int]:
+def plan(dtype: np.dtype, d: int, dv: int, rows: int, device_id: int, tma: bool = False) -> tuple[str, int, int]:
     """(decode kernel's name expression, keys a step of its key loop, shared-memory bytes) for
-    head dims d, dv and G * Lq rows on a device: mma.sync for float16 and bfloat16 on sm_80+,
-    the CUDA-core kernel otherwise."""
+    head dims d, dv and G * Lq rows on a device: mma.sync for float16 and bfloat16 on sm_80+
+    (its K and V tiles by tensor copies where ``tma`` and :func:`tma_fits`), the CUDA-core
+    kernel otherwise."""
     name = _dtype_name(dtype)
     hk, hv = _padded(d), _padded(dv)
     if np.dtype(dtype).itemsize == 2 and device_limits(device_id)[0] >= 80:
-        tile, smem = mma_shape(hk, hv)
-        return f"flash::decode_split_mma<{CXX_TYPE[name]}, {hk}, {hv}, {smem}>", tile, smem
+        tma = tma and tma_fits(dtype, d, dv, device_id)
+        tile, smem = mma_shape(hk, hv, tma)
+        return f"flash::decode_split_mma<{CXX_TYPE[name]}, {hk}, {hv}, {str(tma).lower()}, {smem}>", tile, smem
     tile, smem = tile_shape(name, hk, hv, _rows(rows))
     return f"flash::decode_split<{CXX_TYPE[name]}, {hk}, {hv}, {_rows(rows)}, {smem}>", tile, smem
 
@@ -141,16 +153,23 @@ def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
     return min(range(1, most + 1), key=lambda s: -(-blocks * s // slots) / s * (1 + 0.01 * s))
 
 
-def kernels(q: Any, v_cache: Any, pb: Problem) -> tuple[Any, Any, Any, int, int]:
-    """(split kernel, merge kernel, append kernel, keys a step, shared memory) of a call,
+def kernels(q: Any, v_cache: Any, pb: Problem, page: int = 0,
+            tma: bool = True) -> tuple[Any, Any, Any, int, int, str]:
+    """(split kernel, merge kernel, append kernel, keys a step, shared memory, the split
+    kernel's copies: "tma", "cp.async" (decode_split_mma) or "simt" (decode_split)) of a call,
     compiled (once a process; flash_attention_with_kvcache asks before it writes the cache,
-    so a compile error leaves the cache as it was)."""
-    split_name, tile, smem = plan(pb.dtype, q.shape[-1], v_cache.shape[-1], pb.group_size * q.shape[2], q.device.id)
+    so a compile error leaves the cache as it was). page: keys a block of a paged cache (0:
+    contiguous); tensor copies where ``tma`` and the layout allows (:func:`tma_fits`, pages of
+    whole 16-key tiles)."""
+    tma = tma and page % MMA_KEYS == 0
+    split_name, tile, smem = plan(pb.dtype, q.shape[-1], v_cache.shape[-1], pb.group_size * q.shape[2], q.device.id,
+                                  tma)
     split_fn = get_function("decode", split_name, q.device.id, smem)
     cxx = CXX_TYPE[_dtype_name(pb.dtype)]
     merge_fn = get_function("decode", f"flash::decode_merge<{cxx}>", q.device.id)
     append_fn = get_function("decode", f"flash::decode_append<{cxx}>", q.device.id)
-    return split_fn, merge_fn, append_fn, tile, smem
+    copies = "simt" if "decode_split<" in split_name else "tma" if ", true," in split_name else "cp.async"
+    return split_fn, merge_fn, append_fn, tile, smem, copies
 
 
 #: DecodeParams' fields each launch fills (pointers, then the split of the keys), in DecodePlan's order.
@@ -179,7 +198,15 @@ class DecodePlan:
         self.out_shape, self.lse_shape = (batch, hq, lq, self.dv), (batch, hq, lq)
         self.rows = batch * hq * lq
         self.blocks = batch * self.hk
-        self.split_fn, self.merge_fn, self.append_fn, self.tile, self.smem = kernels(q, v_cache, pb)
+        self.split_fn, self.merge_fn, self.append_fn, self.tile, self.smem, self.copies = kernels(q, v_cache, pb,
+                                                                                                  page)
+        #: Tensor maps of the caches by their addresses (TMA kernels; else a zero block).
+        self._maps: dict[tuple[int, int], bytearray] = {}
+        if self.copies == "tma":
+            try:
+                self.maps(k_cache, v_cache)
+            except TensorMapError:  # the driver refuses this layout: cp.async copies instead
+                self.split_fn, _, _, self.tile, self.smem, self.copies = kernels(q, v_cache, pb, page, tma=False)
         import cupy
 
         with cupy.cuda.Device(self.device_id):  # the CUfunctions of q's device, launched through the driver
@@ -206,6 +233,25 @@ class DecodePlan:
         fields["window_left"] = -1 if left is None else min(left, 2**31 - 1)
         fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
         self.template = _template(tuple(fields.items()))
+
+    def maps(self, k_cache: Any, v_cache: Any) -> bytearray:
+        """The split kernel's DecodeMaps block for these caches: their tensor maps (4-d, (D,
+        rows, Hk, B or num_blocks), boxes of (64, 16, 1, 1), 128-byte swizzle) where the kernel
+        takes its tiles by tensor copies, encoded once per pair of addresses; zeros otherwise."""
+        if self.copies != "tma":
+            return _NO_MAPS
+        key = (k_cache.data.ptr, v_cache.data.ptr)
+        block = self._maps.get(key)
+        if block is None:
+            if len(self._maps) >= 4096:  # a few per layer of a model: bounded all the same
+                self._maps.clear()
+            block = bytearray()
+            for cache in (k_cache, v_cache):
+                dims = cache.shape[::-1]
+                block += encode_tiled(cache.data.ptr, dims, strides_for(dims, cache.strides[-2::-1]),
+                                      (64, MMA_KEYS, 1, 1))
+            self._maps[key] = block
+        return block
 
     def splits(self, max_keys: int, num_splits: int) -> tuple[int, int]:
         """(splits, keys a split) for sequences of at most ``max_keys`` keys: ``num_splits``
@@ -255,10 +301,15 @@ class DecodePlan:
         if self.new:
             launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, args, 0, stream)
         if self.rows:
-            launch_ptr(self.split_ptr, (self.blocks, splits), THREADS, args, self.smem, stream)
+            split = (keep, args) if self.copies == "simt" else kernel_args(block, self.maps(k_cache, v_cache))
+            launch_ptr(self.split_ptr, (self.blocks, splits), THREADS, split[1], self.smem, stream)
             launch_ptr(self.merge_ptr, (self.rows,), THREADS, args, 0, stream)
         del part, keep  # CuPy's pool hands freed memory only to later work on the stream
         return out, lse
+
+
+#: The DecodeMaps block of a kernel that takes its tiles by cp.async (unread).
+_NO_MAPS = bytearray(2 * MAP_BYTES)
 
 
 def _packed(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,63 @@
+"""Tensor maps for Hopper's tensor copies (kernels_cu/tma.cuh), encoded by the CUDA driver.
+
+A tensor map is 128 opaque bytes describing a global tensor (address, sizes, byte strides) and
+the box one copy moves; kernels take it as a by-value parameter. CuPy does not wrap the
+driver's encoder, so it is called through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from collections.abc import Sequence
+
+#: CUtensorMapDataType: 16-bit elements are copied as raw 16-bit words.
+UINT16 = 1
+#: CUtensorMapSwizzle.
+SWIZZLE_128B = 3
+#: CUtensorMapL2promotion: L2 fetches 128-byte lines.
+L2_PROMOTION_128B = 2
+#: Bytes of one encoded map.
+MAP_BYTES = 128
+
+
+class TensorMapError(RuntimeError):
+    """The driver refused a tensor map (sizes, strides or alignment it does not support)."""
+
+
+@functools.cache
+def _encoder() -> ctypes._CFuncPtr:
+    library = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
+    encode = library.cuTensorMapEncodeTiled
+    encode.restype = ctypes.c_int
+    return encode
+
+
+def encode_tiled(address: int, dims: Sequence[int], strides: Sequence[int], box: Sequence[int],
+                 data_type: int = UINT16, swizzle: int = SWIZZLE_128B) -> bytes:
+    """The tensor map of a tensor at ``address`` with sizes ``dims`` (elements, innermost first),
+    ``strides`` (bytes, of dims 1 onwards: len(dims) - 1 of them) and copies of ``box``
+    elements (innermost first); outside the tensor a copy reads zeros. Raises
+    :class:`TensorMapError` with the driver's code where it refuses."""
+    rank = len(dims)
+    if len(strides) != rank - 1 or len(box) != rank:
+        raise ValueError(f"a rank-{rank} tensor map takes {rank - 1} strides and {rank} box sizes, "
+                         f"got {len(strides)} and {len(box)}")
+    out = (ctypes.c_uint8 * MAP_BYTES)()
+    code = _encoder()(ctypes.byref(out), ctypes.c_int(data_type), ctypes.c_uint32(rank), ctypes.c_void_p(address),
+                      (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+                      (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)), ctypes.c_int(0),
+                      ctypes.c_int(swizzle), ctypes.c_int(L2_PROMOTION_128B), ctypes.c_int(0))
+    if code != 0:
+        raise TensorMapError(f"cuTensorMapEncodeTiled refused dims {tuple(dims)}, byte strides {tuple(strides)}, "
+                             f"box {tuple(box)} at 0x{address:x} (CUresult {code})")
+    return bytes(out)
+
+
+def strides_for(dims: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
+    """Byte strides of dims 1 onwards that the driver accepts for the same addresses: a dim of
+    size 1 is only ever at coordinate 0, so its stride (which an array may give as anything)
+    becomes the largest stride rounded up to 16 bytes."""
+    spare = max(16, -(-max(strides, default=16) // 16) * 16)
+    return tuple(stride if size > 1 else spare for size, stride in zip(dims[1:], strides))
