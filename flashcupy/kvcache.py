@@ -232,7 +232,9 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         if cache_seqlens.ndim > 1 or cache_seqlens.size not in (1, batch):
             raise ValueError(f"cache_seqlens: expected an int or a shape ({batch},) (one per sequence), "
                              f"received {tuple(cache_seqlens.shape)}")
-        lengths = xp.ascontiguousarray(xp.broadcast_to(cache_seqlens.reshape(-1), (batch,)), dtype=np.int32)
+        lengths = cache_seqlens if cache_seqlens.shape == (batch,) and cache_seqlens.dtype == np.int32 and \
+            cache_seqlens.strides == (4,) else \
+            xp.ascontiguousarray(xp.broadcast_to(cache_seqlens.reshape(-1), (batch,)), dtype=np.int32)
         most, total = lay.capacity, None
     else:
         lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
@@ -291,7 +293,8 @@ def _described(x: Any) -> tuple | None:
     if isinstance(x, np.ndarray):
         return np.ndarray, x.shape, x.strides, x.dtype
     if interop._is_cupy(x):
-        return type(x), x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % 16 == 0
+        data = x.data
+        return type(x), x.shape, x.strides, x.dtype, data.device_id, data.ptr % 16 == 0
     return None
 
 

@@ -400,6 +400,37 @@ def test_tensor_copies_read_only_the_keys_in_use(layout, d, dv):
     np.testing.assert_allclose(lse.get(), ref_lse, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.gpu
+def test_threads_share_a_plan_without_sharing_arguments():
+    """Decode calls of one layout from four threads at once (each thread fills its own copy of
+    the plan's parameter block): every result equals the same call made alone."""
+    import threading
+
+    import cupy
+
+    rs = np.random.default_rng(5)
+    kc, vc = (cupy.asarray(rs.standard_normal((2, 2, 500, 64)).astype(F16)) for _ in range(2))
+    qs = [cupy.asarray(rs.standard_normal((2, 8, 1, 64)).astype(F16)) for _ in range(4)]
+    lens = [cupy.asarray(np.array([500 - 37 * t, 100 + t], np.int32)) for t in range(4)]
+    alone = [fc.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=n).get() for q, n in zip(qs, lens)]
+    got: dict[int, list] = {t: [] for t in range(4)}
+
+    def work(t: int) -> None:
+        with cupy.cuda.Stream():
+            for _ in range(50):
+                got[t].append(fc.flash_attention_with_kvcache(qs[t], kc, vc, cache_seqlens=lens[t]))
+            cupy.cuda.get_current_stream().synchronize()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for t in range(4):
+        for out in got[t]:
+            np.testing.assert_array_equal(out.get(), alone[t])
+
+
 @pytest.mark.parametrize("num_splits, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
 def test_bad_num_splits_is_refused(num_splits, error):
     q, kc, vc, k, v = _cache(np.random.default_rng(6))

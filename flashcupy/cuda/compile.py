@@ -265,16 +265,15 @@ def get_function(family: str, name: str, device_id: int, smem_bytes: int = 0):
     return fn
 
 
-def kernel_args(*blocks: bytes | bytearray) -> tuple[Any, int]:
-    """(keep-alive, address) of the driver's argument array for kernels taking by-value
-    parameter blocks (one each of ``blocks``, in order): pass the address to
-    :func:`launch_ptr`; keep the first alive until the launches are queued (the driver copies
-    the blocks at each launch)."""
+def kernel_args(block: bytearray) -> tuple[Any, int]:
+    """(keep-alive, address) of the driver's argument array for kernels taking one by-value
+    parameter block: pass the address to :func:`launch_ptr`; keep the first alive until the
+    launches are queued (the driver copies the block at each launch)."""
     import ctypes
 
-    held = [(ctypes.c_char * len(b)).from_buffer(b if isinstance(b, bytearray) else bytearray(b)) for b in blocks]
-    args = (ctypes.c_void_p * len(held))(*(ctypes.addressof(a) for a in held))
-    return (held, args), ctypes.addressof(args)
+    arg = (ctypes.c_char * len(block)).from_buffer(block)
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+    return (arg, args), ctypes.addressof(args)
 
 
 def launch_ptr(function: int, grid: tuple[int, ...], threads: int, args: int, smem_bytes: int, stream: int) -> None:

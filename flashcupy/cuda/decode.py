@@ -9,8 +9,10 @@ this path takes; :mod:`flashcupy.kvcache` sends the others to the general forwar
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -18,7 +20,7 @@ import numpy as np
 from ..problem import Problem, accumulator_dtype
 from . import _dtype_name, _elem_strides, _empty, device_limits
 from . import params as P
-from .compile import get_function, kernel_args, launch_ptr
+from .compile import get_function, launch_ptr
 from .spec import CXX_TYPE
 from .tensor_map import MAP_BYTES, TensorMapError, encode_tiled, strides_for
 
@@ -201,7 +203,11 @@ class DecodePlan:
         self.split_fn, self.merge_fn, self.append_fn, self.tile, self.smem, self.copies = kernels(q, v_cache, pb,
                                                                                                   page)
         #: Tensor maps of the caches by their addresses (TMA kernels; else a zero block).
-        self._maps: dict[tuple[int, int], bytearray] = {}
+        self._maps: dict[tuple[int, int], Any] = {}
+        #: Each thread's parameter block and the driver's argument arrays over it (_Arguments).
+        self._local = threading.local()
+        #: splits() by (most keys, num_splits).
+        self._splits: dict[tuple[int, int], tuple[int, int]] = {}
         if self.copies == "tma":
             try:
                 self.maps(k_cache, v_cache)
@@ -234,10 +240,11 @@ class DecodePlan:
         fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
         self.template = _template(tuple(fields.items()))
 
-    def maps(self, k_cache: Any, v_cache: Any) -> bytearray:
-        """The split kernel's DecodeMaps block for these caches: their tensor maps (4-d, (D,
-        rows, Hk, B or num_blocks), boxes of (64, 16, 1, 1), 128-byte swizzle) where the kernel
-        takes its tiles by tensor copies, encoded once per pair of addresses; zeros otherwise."""
+    def maps(self, k_cache: Any, v_cache: Any) -> Any:
+        """The split kernel's DecodeMaps block for these caches (a ctypes array): their tensor
+        maps (4-d, (D, rows, Hk, B or num_blocks), boxes of (64, 16, 1, 1), 128-byte swizzle)
+        where the kernel takes its tiles by tensor copies, encoded once per pair of addresses;
+        zeros otherwise."""
         if self.copies != "tma":
             return _NO_MAPS
         key = (k_cache.data.ptr, v_cache.data.ptr)
@@ -245,12 +252,12 @@ class DecodePlan:
         if block is None:
             if len(self._maps) >= 4096:  # a few per layer of a model: bounded all the same
                 self._maps.clear()
-            block = bytearray()
+            maps = b""
             for cache in (k_cache, v_cache):
                 dims = cache.shape[::-1]
-                block += encode_tiled(cache.data.ptr, dims, strides_for(dims, cache.strides[-2::-1]),
-                                      (64, MMA_KEYS, 1, 1))
-            self._maps[key] = block
+                maps += encode_tiled(cache.data.ptr, dims, strides_for(dims, cache.strides[-2::-1]),
+                                     (64, MMA_KEYS, 1, 1))
+            block = self._maps[key] = (ctypes.c_char * len(maps)).from_buffer_copy(maps)
         return block
 
     def splits(self, max_keys: int, num_splits: int) -> tuple[int, int]:
@@ -277,7 +284,12 @@ class DecodePlan:
         lse = _empty(self.lse_shape, self.acc, cp) if want_lse else None
         if self.blocks == 0:
             return out, lse
-        splits, split_keys = self.splits(max_keys, num_splits)
+        split = self._splits.get((max_keys, num_splits))
+        if split is None:
+            if len(self._splits) >= 1024:
+                self._splits.clear()
+            split = self._splits[max_keys, num_splits] = self.splits(max_keys, num_splits)
+        splits, split_keys = split
         if self.copy_q:
             q = cp.ascontiguousarray(q)
         if self.copy_new:
@@ -290,26 +302,47 @@ class DecodePlan:
         lse_part = o_part + splits * self.rows * self.dv * item
         lse_ptr = lse.data.ptr if lse is not None else lse_part + splits * self.rows * item
         per_sequence = not isinstance(lengths, int)
-        block = self.template.fill_bytes(
-            q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths.data.ptr if per_sequence else 0,
+        call = getattr(self._local, "arguments", None)
+        if call is None:
+            call = self._local.arguments = _Arguments(self.template)
+        self.template.fill_into(
+            call.block, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths.data.ptr if per_sequence else 0,
             0 if table is None else table.data.ptr, 0 if alibi is None else alibi.data.ptr,
             0 if sinks is None else sinks.data.ptr, o_part, lse_part, out.data.ptr, lse_ptr,
             k.data.ptr if self.new else 0, v.data.ptr if self.new else 0,
             splits, split_keys, 0 if per_sequence else lengths)
-        keep, args = kernel_args(block)
         stream = cp.cuda.get_current_stream().ptr
         if self.new:
-            launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, args, 0, stream)
+            launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, call.one, 0, stream)
         if self.rows:
-            split = (keep, args) if self.copies == "simt" else kernel_args(block, self.maps(k_cache, v_cache))
-            launch_ptr(self.split_ptr, (self.blocks, splits), THREADS, split[1], self.smem, stream)
-            launch_ptr(self.merge_ptr, (self.rows,), THREADS, args, 0, stream)
-        del part, keep  # CuPy's pool hands freed memory only to later work on the stream
+            split_args = call.one
+            if self.copies != "simt":
+                call.pair[1] = ctypes.addressof(self.maps(k_cache, v_cache))
+                split_args = call.pair_ptr
+            launch_ptr(self.split_ptr, (self.blocks, splits), THREADS, split_args, self.smem, stream)
+            launch_ptr(self.merge_ptr, (self.rows,), THREADS, call.one, 0, stream)
+        del part  # CuPy's pool hands freed memory only to later work on the stream
         return out, lse
 
 
 #: The DecodeMaps block of a kernel that takes its tiles by cp.async (unread).
-_NO_MAPS = bytearray(2 * MAP_BYTES)
+_NO_MAPS = (ctypes.c_char * (2 * MAP_BYTES))()
+
+
+class _Arguments:
+    """One thread's DecodeParams block for a plan's launches (the plan's fixed fields written
+    once, the rest by each call) and the driver's argument arrays over it: ``one`` (the
+    block; the address to launch with) for the append, the CUDA-core split and the merge,
+    ``pair`` (the block, then the split's DecodeMaps) at ``pair_ptr`` for decode_split_mma.
+    The driver copies the arguments at each launch, so a thread's next call may refill them."""
+
+    def __init__(self, template: P.Template) -> None:
+        self.block = template.buffer()
+        address = ctypes.addressof(self.block)
+        self._one = (ctypes.c_void_p * 1)(address)
+        self.one = ctypes.addressof(self._one)
+        self.pair = (ctypes.c_void_p * 2)(address, ctypes.addressof(_NO_MAPS))
+        self.pair_ptr = ctypes.addressof(self.pair)
 
 
 def _packed(shape: tuple[int, ...]) -> tuple[int, ...]:

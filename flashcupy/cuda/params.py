@@ -144,6 +144,17 @@ class Template:
     def fill_bytes(self, *values: Any) -> bytearray:
         """The block's bytes with the named fields set to ``values`` (in the constructor's order)."""
         buf = bytearray(self._bytes)
+        self.fill_into(buf, *values)
+        return buf
+
+    def fill_into(self, buf: Any, *values: Any) -> None:
+        """Set the named fields of ``buf``, a writable buffer holding this block (its other
+        fields as :meth:`fill_bytes` leaves them), to ``values``."""
         for offset, packer, order in self._runs:
             packer.pack_into(buf, offset, *[values[i] for i in order])
-        return buf
+
+    def buffer(self) -> Any:
+        """A ctypes char array holding the block, for :meth:`fill_into` and the driver."""
+        import ctypes
+
+        return (ctypes.c_char * len(self._bytes)).from_buffer_copy(self._bytes)
