@@ -22,7 +22,7 @@ from . import _dtype_name, _elem_strides, _empty, device_limits
 from . import params as P
 from .compile import get_function, launch_ptr
 from .spec import CXX_TYPE
-from .tensor_map import MAP_BYTES, TensorMapError, encode_tiled, strides_for
+from .tensor_map import MAP_BYTES, TensorMapError, TiledLayout, strides_for
 
 #: Head dims the kernel is compiled for (a call's D and Dv each take the smallest that fits).
 HEAD_DIMS = (32, 64, 128, 256)
@@ -204,6 +204,7 @@ class DecodePlan:
                                                                                                   page)
         #: Tensor maps of the caches by their addresses (TMA kernels; else a zero block).
         self._maps: dict[tuple[int, int], Any] = {}
+        self._map_layouts: list[TiledLayout] = []  # the K and V caches' shapes, as the driver takes them
         #: Each thread's parameter block and the driver's argument arrays over it (_Arguments).
         self._local = threading.local()
         #: splits() by (most keys, num_splits).
@@ -252,12 +253,16 @@ class DecodePlan:
         if block is None:
             if len(self._maps) >= 4096:  # a few per layer of a model: bounded all the same
                 self._maps.clear()
-            maps = b""
-            for cache in (k_cache, v_cache):
-                dims = cache.shape[::-1]
-                maps += encode_tiled(cache.data.ptr, dims, strides_for(dims, cache.strides[-2::-1]),
-                                     (64, MMA_KEYS, 1, 1))
-            block = self._maps[key] = (ctypes.c_char * len(maps)).from_buffer_copy(maps)
+            if not self._map_layouts:
+                for cache in (k_cache, v_cache):
+                    dims = cache.shape[::-1]
+                    self._map_layouts.append(TiledLayout(dims, strides_for(dims, cache.strides[-2::-1]),
+                                                         (64, MMA_KEYS, 1, 1)))
+            block = (ctypes.c_uint8 * (2 * MAP_BYTES))()
+            for n, address in enumerate(key):
+                ctypes.memmove(ctypes.addressof(block) + n * MAP_BYTES, self._map_layouts[n].encode(address),
+                               MAP_BYTES)
+            self._maps[key] = block
         return block
 
     def splits(self, max_keys: int, num_splits: int) -> tuple[int, int]:

@@ -34,25 +34,33 @@ def _encoder() -> ctypes._CFuncPtr:
     return encode
 
 
-def encode_tiled(address: int, dims: Sequence[int], strides: Sequence[int], box: Sequence[int],
-                 data_type: int = UINT16, swizzle: int = SWIZZLE_128B) -> bytes:
-    """The tensor map of a tensor at ``address`` with sizes ``dims`` (elements, innermost first),
-    ``strides`` (bytes, of dims 1 onwards: len(dims) - 1 of them) and copies of ``box``
-    elements (innermost first); outside the tensor a copy reads zeros. Raises
-    :class:`TensorMapError` with the driver's code where it refuses."""
-    rank = len(dims)
-    if len(strides) != rank - 1 or len(box) != rank:
-        raise ValueError(f"a rank-{rank} tensor map takes {rank - 1} strides and {rank} box sizes, "
-                         f"got {len(strides)} and {len(box)}")
-    out = (ctypes.c_uint8 * MAP_BYTES)()
-    code = _encoder()(ctypes.byref(out), ctypes.c_int(data_type), ctypes.c_uint32(rank), ctypes.c_void_p(address),
-                      (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
-                      (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)), ctypes.c_int(0),
-                      ctypes.c_int(swizzle), ctypes.c_int(L2_PROMOTION_128B), ctypes.c_int(0))
-    if code != 0:
-        raise TensorMapError(f"cuTensorMapEncodeTiled refused dims {tuple(dims)}, byte strides {tuple(strides)}, "
-                             f"box {tuple(box)} at 0x{address:x} (CUresult {code})")
-    return bytes(out)
+class TiledLayout:
+    """Tensor maps of one shape: sizes ``dims`` (elements, innermost first), ``strides`` (bytes,
+    of dims 1 onwards: len(dims) - 1 of them) and copies of ``box`` elements (innermost
+    first); outside the tensor a copy reads zeros. The driver's arguments are built once;
+    :meth:`encode` makes the map of a tensor at one address."""
+
+    def __init__(self, dims: Sequence[int], strides: Sequence[int], box: Sequence[int], data_type: int = UINT16,
+                 swizzle: int = SWIZZLE_128B) -> None:
+        rank = len(dims)
+        if len(strides) != rank - 1 or len(box) != rank:
+            raise ValueError(f"a rank-{rank} tensor map takes {rank - 1} strides and {rank} box sizes, "
+                             f"got {len(strides)} and {len(box)}")
+        self.described = f"dims {tuple(dims)}, byte strides {tuple(strides)}, box {tuple(box)}"
+        self._fixed = ((ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+                       (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)))
+        self._head = (ctypes.c_int(data_type), ctypes.c_uint32(rank))
+        self._tail = (ctypes.c_int(0), ctypes.c_int(swizzle), ctypes.c_int(L2_PROMOTION_128B), ctypes.c_int(0))
+
+    def encode(self, address: int) -> ctypes.Array:
+        """The 128-byte map (a ctypes array) of the tensor at ``address``; raises
+        :class:`TensorMapError` with the driver's code where it refuses."""
+        out = (ctypes.c_uint8 * MAP_BYTES)()
+        code = _encoder()(ctypes.byref(out), *self._head, ctypes.c_void_p(address), *self._fixed, *self._tail)
+        if code != 0:
+            raise TensorMapError(f"cuTensorMapEncodeTiled refused {self.described} at 0x{address:x} "
+                                 f"(CUresult {code})")
+        return out
 
 
 def strides_for(dims: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
