@@ -42,7 +42,7 @@ SOURCES: dict[str, list[str]] = {
                 "nvidia-h200-2026-11-28-options-d128bias-alibi.json", "nvidia-h200-2026-11-28-options-whole-tiles.json",
                 "nvidia-h200-2026-11-28-options-softcap.json", "nvidia-h200-2026-11-28-options-dropout.json",
                 "nvidia-h200-2026-11-28-options-softcap-once.json"],
-    "decode": ["nvidia-h200-2026-11-28-decode-host-path.json"],
+    "decode": ["nvidia-h200-2026-11-28-decode-tma.json"],
     "cpu": ["cpu-2026-11-27.json"],
 }
 
