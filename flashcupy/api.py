@@ -99,16 +99,18 @@ def _run_backward(pb: Problem, backend: str, dout: Any, out: Any, lse: Any, bias
 
 
 def _with_seed(options: dict[str, Any], required: bool = False) -> dict[str, Any]:
-    """Options with a fresh seed drawn when dropout is on and no seed was given.
+    """Options with a fresh seed drawn when dropout is on and neither a seed nor an
+    rng_state was given.
 
     With ``required``, a missing seed under dropout is an error instead.
     """
     p, seed, _ = check_dropout(
         options.get("dropout_p", 0.0), options.get("seed"), options.get("dropout_offset", 0)
     )
-    if p > 0 and seed is None:
+    if p > 0 and seed is None and options.get("rng_state") is None:
         if required:
-            raise ValueError("seed: expected an int when dropout_p > 0 (the backward needs it), received None")
+            raise ValueError("seed: expected an int (or an rng_state) when dropout_p > 0 (the backward needs it), "
+                             "received None")
         return {**options, "seed": rng.new_seed()}
     return options
 
@@ -133,6 +135,7 @@ def flash_attention(
     dropout_p: float = 0.0,
     seed: int | None = None,
     dropout_offset: int = 0,
+    rng_state: Any = None,
     cu_seqlens_q: Any = None,
     cu_seqlens_k: Any = None,
     return_lse: bool = False,
@@ -169,6 +172,11 @@ def flash_attention(
             Tiles it rules out are skipped.
         dropout_p, seed, dropout_offset: dropout on the normalised probabilities
             with Philox4x32-10 bits (see ``dropout_mask``); seed None draws one.
+        rng_state: instead of seed and dropout_offset, a contiguous (2,) int64 or
+            uint64 array (seed, offset) read when the computation runs: on the GPU
+            the kernels read it from device memory, so a captured CUDA graph replays
+            with the values the caller has written since (offset mod 2**32). The
+            backward reads it too: advance it after the backward.
         cu_seqlens_q, cu_seqlens_k: packed sequences (see ``flash_attention_varlen``).
         return_lse: also return the natural-log log-sum-exp, (..., Hq, Lq),
             float32 (float64 for float64 inputs).

@@ -398,7 +398,7 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 st[:, c] = column[:, 0]
             if pb.dropout_p > 0:  # after l: lse is taken before dropout
                 z = scratch.get("z", j1 - j0, rows)
-                kernels.dropout_scale(z, pb.seed, pb.dropout_offset, seg.bh, i0, j0, pb.dropout_p)
+                kernels.dropout_scale(z, *pb.dropout_key(), seg.bh, i0, j0, pb.dropout_p)
                 st *= z
             if kv == 1:
                 np.matmul(st.T, vs[j0:j1], out=pv)
@@ -536,7 +536,7 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
                     z = None
                     if pb.dropout_p > 0:
                         z = scratch.get("z", n, rows)
-                        kernels.dropout_scale(z, pb.seed, pb.dropout_offset, seg.bh, i0, j0, pb.dropout_p)
+                        kernels.dropout_scale(z, *pb.dropout_key(), seg.bh, i0, j0, pb.dropout_p)
                     kernels.backward_tile(st, dpt, lse_safe, delta, z)  # st = P'^T, dpt = dS^T
                     dv_seg[j0:j1] += np.matmul(st, do, out=scratch.get("dv", n, pb.head_dim_v))  # dV += P'^T dO
                     if bias_grad:

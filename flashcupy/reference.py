@@ -163,7 +163,7 @@ def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
     zd = None
     pd = p
     if pb.dropout_p > 0:
-        keep = rng.dropout_mask(s.shape, pb.dropout_p, pb.seed, pb.dropout_offset)
+        keep = rng.dropout_mask(s.shape, pb.dropout_p, *pb.dropout_key())
         zd = (keep / (1.0 - pb.dropout_p)).astype(work)
         pd = rnd(p * zd)
     out = rnd(pd @ v)
@@ -222,8 +222,9 @@ def backward(pb: Problem, dout: Any, compute_dtype: Any = np.float64):
 
 def _host_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Problem:
     pb = make_host_problem(q, k, v, options)
-    if pb.dropout_p > 0 and pb.seed is None:
-        raise ValueError("seed: expected an int when dropout_p > 0 (the reference needs the bits), received None")
+    if pb.dropout_p > 0 and pb.seed is None and pb.rng_state is None:
+        raise ValueError("seed: expected an int (or an rng_state) when dropout_p > 0 (the reference needs the bits), "
+                         "received None")
     return pb
 
 

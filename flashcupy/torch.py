@@ -315,7 +315,8 @@ def _decode(tensors: dict[str, Any], scalars: dict[str, Any]) -> dict[str, Any]:
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   bias: torch.Tensor | None, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
                   q_lengths: torch.Tensor | None, kv_lengths: torch.Tensor | None, block_mask: torch.Tensor | None,
-                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, causal: int, has_window: bool,
+                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                  rng_state: torch.Tensor | None, causal: int, has_window: bool,
                   window_left: int, window_right: int, scale: float | None, softcap: float | None,
                   block_size: int | None, dropout_p: float, seed_hi: int, seed_lo: int, dropout_offset: int,
                   allow_tf32: bool, backend: str, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +354,8 @@ def _attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
                            q_lengths: torch.Tensor | None, kv_lengths: torch.Tensor | None,
                            block_mask: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
-                           cu_seqlens_k: torch.Tensor | None, causal: int, has_window: bool, window_left: int,
+                           cu_seqlens_k: torch.Tensor | None, rng_state: torch.Tensor | None, causal: int,
+                           has_window: bool, window_left: int,
                            window_right: int, scale: float | None, softcap: float | None, block_size: int | None,
                            dropout_p: float, seed_hi: int, seed_lo: int, dropout_offset: int, allow_tf32: bool,
                            backend: str, bias_grad: bool, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor,
@@ -462,7 +464,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     ``window``, ``mask`` (bool, True = attend, as SDPA's bool ``attn_mask``),
     ``bias`` (float, added to the scores, as SDPA's float ``attn_mask``),
     ``alibi_slopes``, ``softcap``, ``q_lengths``, ``kv_lengths``, ``block_mask``,
-    ``block_size``, ``dropout_p``, ``seed``, ``dropout_offset``, ``cu_seqlens_q``,
+    ``block_size``, ``dropout_p``, ``seed``, ``dropout_offset``, ``rng_state``, ``cu_seqlens_q``,
     ``cu_seqlens_k``, ``return_lse``, ``allow_tf32`` and ``backend``.
 
     Args:
@@ -483,6 +485,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
             gradient. With ``dropout_p > 0`` and no ``seed``, one is drawn at the
             forward (``flashcupy.rng.new_seed``) and reused by the backward; under
             ``torch.compile`` pass the seed (a traced draw would be a constant).
+            ``rng_state``, a (2,) int64 tensor (seed, offset) in place of ``seed``
+            and ``dropout_offset``, is read by the kernels when they run (a
+            captured CUDA graph draws new bits once the caller writes new values);
+            the forward copies it for its backward.
 
     Returns:
         out (..., Hq, Lq, Dv), a tensor of q's dtype on q's device; with
@@ -504,9 +510,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     elif not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool or None, received {deterministic!r}")
     p, seed, _ = _check_dropout(options.get("dropout_p", 0.0), options.get("seed"), options.get("dropout_offset", 0))
-    if p > 0 and seed is None:
+    if p > 0 and seed is None and options.get("rng_state") is None:
         options["seed"] = _rng.new_seed()  # drawn once here, reused by the backward
     tensors, scalars = _encode({**options, "bias": bias, "sinks": sinks}, q, k)
+    if tensors["rng_state"] is not None:  # the forward's values for its backward, whatever the caller writes after
+        tensors["rng_state"] = tensors["rng_state"].clone()
     if torch.compiler.is_compiling():
         out, lse = _attention_op(q, k, v, **tensors, **scalars, deterministic=deterministic)
     else:

@@ -35,6 +35,7 @@ struct Params {
     const i32* seqlens_k;
     i32* tiles;    // query-major tile map of the launch's tiles (score/tile_map.cuh); nullptr without masks
     i32* tiles_t;  // key-major tile map of the dK/dV kernel's tiles; nullptr without masks or in the forward
+    const u64* rng_state;  // (2) dropout's seed and offset (low 32 bits), read when the kernel runs; nullptr: seed, dropout_offset
     i64 q_sb, q_sh, q_sr;  // strides in elements: batch, head, row
     i64 k_sb, k_sh, k_sr;
     i64 v_sb, v_sh, v_sr;

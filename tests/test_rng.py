@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flashcupy as fc
 from flashcupy import rng
 from flashcupy.rng import (
     dropout_keep,
@@ -416,3 +417,70 @@ def test_dropout_keep_rejects_invalid_arguments(kwargs, exc, name):
     args.update(kwargs)
     with pytest.raises(exc, match=rf"\b{name}\b"):
         dropout_keep(**args)
+
+
+def _dropout_call(xp, backend, **dropout):
+    """out and (dq, dk, dv) of one dropout call on ``xp`` arrays through flash_attention_vjp."""
+    rs = np.random.default_rng(9)
+    q, k, v = (xp.asarray(rs.standard_normal((2, 3, 45, 16)).astype(np.float32)) for _ in range(3))
+    out, vjp = fc.flash_attention_vjp(q, k, v, dropout_p=0.3, backend=backend, **dropout)
+    return (out, *vjp(xp.ones_like(out)))
+
+
+@pytest.mark.parametrize("state, seed, offset", [((2**40 + 3, 11), 2**40 + 3, 11),
+                                                 ((-1, 2**32 + 6), 2**64 - 1, 6)])
+def test_rng_state_is_seed_and_offset(state, seed, offset):
+    """rng_state (seed, offset) gives the bits of seed mod 2**64 and offset mod 2**32: the
+    CPU backend's forward and gradients, and the reference, equal those of seed and
+    dropout_offset."""
+    dtype = np.uint64 if state[0] >= 0 else np.int64
+    got = _dropout_call(np, "cpu", rng_state=np.array(state, dtype=dtype))
+    want = _dropout_call(np, "cpu", seed=seed, dropout_offset=offset)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    rs = np.random.default_rng(9)
+    q, k, v = (rs.standard_normal((2, 3, 45, 16)) for _ in range(3))
+    np.testing.assert_array_equal(fc.attention_reference(q, k, v, dropout_p=0.3, rng_state=np.array(state, dtype)),
+                                  fc.attention_reference(q, k, v, dropout_p=0.3, seed=seed, dropout_offset=offset))
+
+
+@pytest.mark.parametrize("state, extra, exc, match", [
+    (np.array([1, 2], np.int32), {}, TypeError, "int64 or uint64"),
+    (np.array([1.0, 2.0]), {}, TypeError, "int64 or uint64"),
+    (np.array([1, 2, 3], np.int64), {}, ValueError, "shape \\(2,\\)"),
+    (np.arange(4, dtype=np.int64)[::2], {}, ValueError, "contiguous"),
+    ("seed", {}, TypeError, "rng_state: expected an array"),
+    (np.array([1, 2], np.int64), {"seed": 3}, ValueError, "seed=None and dropout_offset=0"),
+    (np.array([1, 2], np.int64), {"dropout_offset": 1}, ValueError, "seed=None and dropout_offset=0"),
+])
+def test_bad_rng_state_names_itself(state, extra, exc, match):
+    q = np.ones((1, 4, 8), np.float32)
+    with pytest.raises(exc, match=match):
+        fc.flash_attention(q, q, q, dropout_p=0.5, rng_state=state, **extra)
+
+
+@pytest.mark.gpu
+def test_device_rng_state_is_read_when_the_kernels_run():
+    """On the GPU: a CuPy rng_state gives the bits of its values (forward and gradients,
+    bitwise), and a captured forward replays with the values written into it since."""
+    import cupy
+
+    state = cupy.asarray(np.array([2**40 + 3, 11], np.int64))
+    got = _dropout_call(cupy, "cuda", rng_state=state)
+    want = _dropout_call(cupy, "cuda", seed=2**40 + 3, dropout_offset=11)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.get(), b.get())
+    rs = np.random.default_rng(10)
+    q, k, v = (cupy.asarray(rs.standard_normal((2, 4, 70, 64)).astype(np.float16)) for _ in range(3))
+    call = lambda: fc.flash_attention(q, k, v, dropout_p=0.2, rng_state=state)  # noqa: E731
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        call()  # compiled and cached before the capture
+        stream.begin_capture()
+        out = call()
+        graph = stream.end_capture()
+        for offset in (5, 6):
+            state[1] = offset
+            graph.launch()
+            want = fc.flash_attention(q, k, v, dropout_p=0.2, seed=2**40 + 3, dropout_offset=offset)
+            np.testing.assert_array_equal(out.get(), want.get())

@@ -579,6 +579,57 @@ def test_cuda_graph_replays_with_new_inputs(backward) -> None:
             assert torch.equal(got, exp)
 
 
+@pytest.mark.gpu
+def test_cuda_graph_dropout_follows_the_rng_state() -> None:
+    """Dropout inside a captured forward + backward draws its seed and offset from a device
+    rng_state when the kernels run: a replay after the caller advances the offset equals an
+    eager call at the new offset (outputs and gradients), and differs from the previous one."""
+    shape = (2, 4, 96, 64)
+    static = [_randn(shape, torch.float16, device="cuda", seed=s, requires_grad=True) for s in (50, 51, 52)]
+    dout = _randn(shape, torch.float16, device="cuda", seed=53, requires_grad=False)
+    state = torch.tensor([2**40 + 7, 0], dtype=torch.int64, device="cuda")
+
+    def step(q, k, v, **dropout):
+        out = fct.flash_attention(q, k, v, dropout_p=0.25, **dropout)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(*static, rng_state=state)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(*static, rng_state=state)
+    before = None
+    for offset in (3, 4):
+        state[1] = offset
+        graph.replay()
+        want = step(*(x.detach().clone().requires_grad_(True) for x in static), seed=2**40 + 7, dropout_offset=offset)
+        for got, exp in zip(captured, want, strict=True):
+            assert torch.equal(got, exp)
+        if before is not None:
+            assert not torch.equal(captured[0], before)
+        before = captured[0].clone()
+
+
+def test_rng_state_is_seed_and_offset_and_the_backward_keeps_the_forwards() -> None:
+    """A (2,) int64 rng_state gives the bits of its (seed, offset), forward and gradients; the
+    forward copies it, so writing the tensor before the backward changes nothing."""
+    q, k, v = (_randn((2, 3, 20, 8), torch.float64, seed=s, requires_grad=True) for s in (60, 61, 62))
+    state = torch.tensor([-5, 2**32 + 9], dtype=torch.int64)  # seed 2**64 - 5, offset 9
+
+    def grads(**dropout):
+        out = fct.flash_attention(q, k, v, dropout_p=0.4, **dropout)
+        if "rng_state" in dropout:
+            dropout["rng_state"][1] = 1234  # after the forward: not the backward's concern
+        return (out, *torch.autograd.grad(out.sum(), (q, k, v)))
+
+    for got, want in zip(grads(rng_state=state), grads(seed=2**64 - 5, dropout_offset=9), strict=True):
+        assert torch.equal(got, want)
+
+
 # --------------------------------------------------------------------------- custom ops
 
 

@@ -274,6 +274,9 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0,
             fields[name] = x.data.ptr
             for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(x)):
                 fields[f"{short}_{suffix}"] = s
+    if pb.rng_state is not None:
+        keep_alive.append(pb.rng_state)
+        fields["rng_state"] = pb.rng_state.data.ptr
     if pb.alibi_slopes is not None:
         slopes = xp.asarray(np.ascontiguousarray(pb.alibi_slopes.reshape(batch, pb.num_heads_q)))
         keep_alive.append(slopes)
@@ -345,9 +348,10 @@ def _layout_key(pb: Problem, device_id: int, operands: tuple, *extra: Any) -> tu
     of the row ``operands`` (the outputs are allocated contiguous from the problem's shapes),
     the dtype and the options (the scale with its sign: -0.0 == 0.0), and ``extra``. None for
     problems whose blocks point to more arrays (masks, bias, ALiBi slopes, lengths, packed
-    sequences): those are packed for every launch."""
+    sequences, a device rng_state): those are packed for every launch."""
     if (pb.varlen or pb.mask is not None or pb.bias is not None or pb.block_mask is not None
-            or pb.alibi_slopes is not None or pb.q_lengths is not None or pb.kv_lengths is not None):
+            or pb.alibi_slopes is not None or pb.q_lengths is not None or pb.kv_lengths is not None
+            or pb.rng_state is not None):
         return None
     return (device_id, pb.dtype, pb.causal, pb.window, pb.scale, math.copysign(1.0, pb.scale), pb.softcap,
             pb.dropout_p, pb.seed, pb.dropout_offset, *[(x.shape, x.strides) for x in operands], *extra)

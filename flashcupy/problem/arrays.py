@@ -36,9 +36,10 @@ def make_host_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Proble
     return make_problem(host_array("q", q), host_array("k", k), host_array("v", v), {**options, **host})
 
 
-#: Array options read on the device (by the kernels, or the sinks by flashcupy/sinks.py);
-#: the others are small and stay on the host.
-DEVICE_ARRAY_OPTIONS = ("mask", "bias", "block_mask", "sinks")
+#: Array options read on the device (by the kernels, or the sinks by flashcupy/sinks.py;
+#: rng_state when the kernels run, so a captured CUDA graph sees its updates); the others are
+#: small and stay on the host.
+DEVICE_ARRAY_OPTIONS = ("mask", "bias", "block_mask", "sinks", "rng_state")
 
 
 def device_array(name: str, x: Any, device: int):

@@ -38,10 +38,10 @@ def check_backward_arrays(problem: Problem, dout: Any, out: Any, lse: Any) -> tu
             # the message is built here only: dtype names cost NumPy a Python call each
             rule = "like q" if name != "lse" else f"(the forward's lse for {dtype_name(problem.dtype)} inputs)"
             raise TypeError(f"{name}: expected dtype {dtype_name(dtype)} {rule}, received {dtype_name(x.dtype)}")
-    if problem.dropout_p > 0 and problem.seed is None:
+    if problem.dropout_p > 0 and problem.seed is None and problem.rng_state is None:
         raise ValueError(
-            "seed: expected the forward pass's seed when dropout_p > 0 (the backward regenerates "
-            "the dropout mask from it), received None"
+            "seed: expected the forward pass's seed (or its rng_state) when dropout_p > 0 (the backward "
+            "regenerates the dropout mask from it), received None"
         )
     if problem.squeeze_head:
         dout, out, lse = dout[None], out[None], lse[None]

@@ -103,7 +103,9 @@ class Problem(Layout):
     ``mask``, ``bias`` and ``block_mask`` are broadcast views of shape (*batch, Hq, Lq, Lk)
     and (*batch, Hq, ceil(Lq/bs), ceil(Lk/bs)); ``bias_shape`` is the bias's own shape.
     ``alibi_slopes`` are host float64 (*batch, Hq); ``sinks`` a broadcast view (*batch, Hq)
-    beside q (host or device), ``sinks_shape`` the sinks' own shape.
+    beside q (host or device), ``sinks_shape`` the sinks' own shape. ``rng_state``, where
+    given, is a (2,) 8-byte integer array beside q holding dropout's seed and offset in place
+    of ``seed`` and ``dropout_offset`` (:meth:`dropout_key` reads it).
     """
 
     dtype: np.dtype
@@ -124,6 +126,7 @@ class Problem(Layout):
     dropout_p: float
     seed: int | None
     dropout_offset: int
+    rng_state: Any
     return_lse: bool
     allow_tf32: bool
     backend: str
@@ -131,6 +134,16 @@ class Problem(Layout):
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
+
+    def dropout_key(self) -> tuple[int, int]:
+        """(seed, offset) of the keep bits: ``seed`` (0 where None) and ``dropout_offset``, or
+        rng_state's two values (seed mod 2**64, offset mod 2**32) read now (from the device,
+        a sync, for a device array)."""
+        if self.rng_state is None:
+            return self.seed or 0, self.dropout_offset
+        values = self.rng_state.get() if hasattr(self.rng_state, "get") else np.asarray(self.rng_state)
+        seed, offset = (int(x) for x in values.astype(np.uint64))
+        return seed, offset % 2**32
 
     @property
     def group_size(self) -> int:

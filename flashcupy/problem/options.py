@@ -19,6 +19,7 @@ from .validate import as_float, broadcast_view, check_array, check_float_dtype, 
 #: Options that carry arrays (converted to the backend's array module before validation).
 ARRAY_OPTIONS = (
     "mask", "bias", "alibi_slopes", "sinks", "q_lengths", "kv_lengths", "block_mask", "cu_seqlens_q", "cu_seqlens_k",
+    "rng_state",
 )
 #: Options that may also be Python lists of ints (converted to int32 when they fit).
 INT32_LIST_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k")
@@ -42,6 +43,7 @@ OPTION_DEFAULTS: dict[str, Any] = {
     "dropout_p": 0.0,
     "seed": None,
     "dropout_offset": 0,
+    "rng_state": None,
     "cu_seqlens_q": None,
     "cu_seqlens_k": None,
     "return_lse": False,
@@ -130,6 +132,25 @@ def _check_dropout(dropout_p: Any, seed: Any, offset: Any) -> tuple[float, int |
 
 
 _checked_dropout = functools.lru_cache(maxsize=256, typed=True)(_check_dropout)
+
+
+def _rng_state(state: Any, seed: int | None, offset: int) -> Any:
+    """The ``rng_state`` option as given (None, or a contiguous (2,) array of 8-byte ints:
+    dropout's seed and offset, read when the computation runs), with errors naming it; it
+    replaces ``seed`` and ``dropout_offset``, which must be left out beside it."""
+    if state is None:
+        return None
+    check_array("rng_state", state)
+    dtype = np.dtype(state.dtype)
+    if dtype.kind not in "iu" or dtype.itemsize != 8:
+        raise TypeError(f"rng_state: expected int64 or uint64 values (seed, offset), received dtype {dtype_name(dtype)}")
+    if tuple(state.shape) != (2,) or tuple(state.strides) != (8,):
+        raise ValueError(f"rng_state: expected a contiguous array of shape (2,) (seed, offset), received shape "
+                         f"{tuple(state.shape)} with strides {tuple(state.strides)}")
+    if seed is not None or offset != 0:
+        raise ValueError(f"rng_state: expected seed=None and dropout_offset=0 beside it (it holds both), received "
+                         f"seed={seed!r}, dropout_offset={offset!r}")
+    return state
 
 
 def _scale(scale: Any, head_dim: int) -> float:
@@ -241,6 +262,7 @@ def check_options(o: dict[str, Any], lay: Layout, xp: Any) -> dict[str, Any]:
     fields["block_mask"], fields["block_size"] = _block_mask(o["block_mask"], o["block_size"], lay, xp)
     fields["dropout_p"], fields["seed"], fields["dropout_offset"] = check_dropout(
         o["dropout_p"], o["seed"], o["dropout_offset"])
+    fields["rng_state"] = _rng_state(o["rng_state"], fields["seed"], fields["dropout_offset"])
 
     for name in ("return_lse", "allow_tf32"):
         if not isinstance(o[name], (bool, np.bool_)):

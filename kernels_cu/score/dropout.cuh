@@ -27,16 +27,24 @@ struct KeepBits {
     }
 };
 
-// The keep bits of one (batch, query head) plane bh of a call with dropout.
+// The keep bits of one (batch, query head) plane bh of a call with dropout: Philox's key
+// (seed) and fourth counter word (offset) from the parameter block, or, where the call gave a
+// device rng_state, from that array as the kernel runs (a captured CUDA graph replays with
+// whatever the caller has advanced it to).
 struct DropoutBits {
     const Params& p;
     u32 bh;
+    u64 seed;
+    u32 offset;
+
+    __device__ __forceinline__ DropoutBits(const Params& params, u32 plane)
+        : p(params), bh(plane), seed(params.rng_state ? params.rng_state[0] : params.seed),
+          offset(params.rng_state ? static_cast<u32>(params.rng_state[1]) : params.dropout_offset) {}
 
     // Bit k of the result: key 8 group + k of query row `row` survives, k in [0, 8): the eight
     // 16-bit halves of one Philox call, low half of word 0 first, against the threshold.
     __device__ __forceinline__ unsigned byte(u32 group, u32 row) const {
-        const Philox4 r = philox4x32_10(group, row, bh, p.dropout_offset, static_cast<u32>(p.seed),
-                                        static_cast<u32>(p.seed >> 32));
+        const Philox4 r = philox4x32_10(group, row, bh, offset, static_cast<u32>(seed), static_cast<u32>(seed >> 32));
         const u32 th = p.dropout_threshold, words[4] = {r.x, r.y, r.z, r.w};
         unsigned bits = 0;
 #pragma unroll

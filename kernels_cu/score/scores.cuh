@@ -119,7 +119,7 @@ struct Scores {
     // of the warp calls it.
     template <int MI, int NT, bool TRANSPOSED = false>
     __device__ __forceinline__ KeepBits<MI, NT> keep_tile(int i, int j) const {
-        if constexpr (kDropout) return DropoutBits{p, static_cast<u32>(hv.bh)}.template tile<MI, NT, TRANSPOSED>(i, j);
+        if constexpr (kDropout) return DropoutBits(p, static_cast<u32>(hv.bh)).template tile<MI, NT, TRANSPOSED>(i, j);
         return KeepBits<MI, NT>::all();
     }
 };
