@@ -27,24 +27,32 @@ struct KeepBits {
     }
 };
 
-// The keep bits of one (batch, query head) plane bh of a call with dropout: Philox's key
-// (seed) and fourth counter word (offset) from the parameter block, or, where the call gave a
-// device rng_state, from that array as the kernel runs (a captured CUDA graph replays with
-// whatever the caller has advanced it to).
-struct DropoutBits {
-    const Params& p;
-    u32 bh;
+// Philox's key (seed) and fourth counter word (offset) of a call with dropout: from the
+// parameter block, or, where the call gave a device rng_state, from that array as the kernel
+// runs (a captured CUDA graph replays with whatever the caller has advanced it to). Read once,
+// where a kernel's Scores are made: a read in the key loop, even one predicated off, slowed
+// the 16-bit forward by 4-8%.
+struct DropoutKey {
     u64 seed;
     u32 offset;
 
-    __device__ __forceinline__ DropoutBits(const Params& params, u32 plane)
-        : p(params), bh(plane), seed(params.rng_state ? params.rng_state[0] : params.seed),
-          offset(params.rng_state ? static_cast<u32>(params.rng_state[1]) : params.dropout_offset) {}
+    static __device__ __forceinline__ DropoutKey of(const Params& p) {
+        if (p.rng_state == nullptr) return DropoutKey{p.seed, p.dropout_offset};
+        return DropoutKey{p.rng_state[0], static_cast<u32>(p.rng_state[1])};
+    }
+};
+
+// The keep bits of one (batch, query head) plane bh of a call with dropout.
+struct DropoutBits {
+    const Params& p;
+    u32 bh;
+    DropoutKey key;
 
     // Bit k of the result: key 8 group + k of query row `row` survives, k in [0, 8): the eight
     // 16-bit halves of one Philox call, low half of word 0 first, against the threshold.
     __device__ __forceinline__ unsigned byte(u32 group, u32 row) const {
-        const Philox4 r = philox4x32_10(group, row, bh, offset, static_cast<u32>(seed), static_cast<u32>(seed >> 32));
+        const Philox4 r = philox4x32_10(group, row, bh, key.offset, static_cast<u32>(key.seed),
+                                        static_cast<u32>(key.seed >> 32));
         const u32 th = p.dropout_threshold, words[4] = {r.x, r.y, r.z, r.w};
         unsigned bits = 0;
 #pragma unroll

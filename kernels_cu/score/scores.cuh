@@ -46,8 +46,10 @@ struct Scores {
     const Params& p;
     const HeadView hv;  // a copy: a reference to the caller's would keep it in memory
     ScoreOp<Acc, Set> op;
+    DropoutKey key;  // dropout's seed and offset, read once (zero without dropout)
 
-    __device__ __forceinline__ Scores(const Params& p_, const HeadView& hv_) : p(p_), hv(hv_), op(p_, hv_) {}
+    __device__ __forceinline__ Scores(const Params& p_, const HeadView& hv_)
+        : p(p_), hv(hv_), op(p_, hv_), key(kDropout ? DropoutKey::of(p_) : DropoutKey{0, 0}) {}
 
     // The first key tile at or after j (a multiple of BLOCK_N) below hi that some score of
     // the query tile from i0 (a multiple of BLOCK_M) survives the masks in ({hi, false} if
@@ -119,7 +121,7 @@ struct Scores {
     // of the warp calls it.
     template <int MI, int NT, bool TRANSPOSED = false>
     __device__ __forceinline__ KeepBits<MI, NT> keep_tile(int i, int j) const {
-        if constexpr (kDropout) return DropoutBits(p, static_cast<u32>(hv.bh)).template tile<MI, NT, TRANSPOSED>(i, j);
+        if constexpr (kDropout) return DropoutBits{p, static_cast<u32>(hv.bh), key}.template tile<MI, NT, TRANSPOSED>(i, j);
         return KeepBits<MI, NT>::all();
     }
 };
