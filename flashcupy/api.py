@@ -8,6 +8,8 @@ keyword options.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable
 
 from . import cpu, cuda, interop, rng, sinks
@@ -175,8 +177,9 @@ def flash_attention(
         rng_state: instead of seed and dropout_offset, a contiguous (2,) int64 or
             uint64 array (seed, offset) read when the computation runs: on the GPU
             the kernels read it from device memory, so a captured CUDA graph replays
-            with the values the caller has written since (offset mod 2**32). The
-            backward reads it too: advance it after the backward.
+            with the values the caller has written since (offset mod 2**32).
+            ``flash_attention_backward`` reads it when it runs (advance it after the
+            backward); ``flash_attention_vjp`` keeps a copy from its forward.
         cu_seqlens_q, cu_seqlens_k: packed sequences (see ``flash_attention_varlen``).
         return_lse: also return the natural-log log-sum-exp, (..., Hq, Lq),
             float32 (float64 for float64 inputs).
@@ -197,8 +200,8 @@ def flash_attention(
 def flash_attention_forward(q: Any, k: Any, v: Any, **options: Any):
     """Forward pass returning ``(out, lse)`` for a later ``flash_attention_backward``.
 
-    Takes the keyword options of ``flash_attention``; ``seed`` is required when
-    ``dropout_p > 0`` so that the backward can regenerate the mask.
+    Takes the keyword options of ``flash_attention``; ``seed`` (or ``rng_state``) is
+    required when ``dropout_p > 0`` so that the backward can regenerate the mask.
     """
     _, out, lse = _forward(q, k, v, _with_seed(options, required=True))
     return out, lse
@@ -262,11 +265,16 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
 
     ``vjp(dout)`` returns ``(dq, dk, dv)``, plus ``dbias`` when a bias was given, plus
     ``dsinks`` when sinks were given.
-    With dropout and no seed, a seed is drawn here and kept for the backward.
+    With dropout and no seed, a seed is drawn here and kept for the backward; an
+    ``rng_state`` is copied after the forward and the copy read by ``vjp``.
     ``return_lse=True`` makes the first result ``(out, lse)``.
     """
     options = _with_seed(options)
     pb, restore, backend, (out, lse) = _compute(q, k, v, options, _run_forward)
+    if pb.rng_state is not None:
+        # the forward's (seed, offset) for the vjp, whatever the caller writes into the array
+        # after: on the GPU a device copy, queued (and captured in a CUDA graph) after the kernels
+        pb = dataclasses.replace(pb, rng_state=pb.rng_state.copy())
 
     def vjp(dout: Any):
         """(dq, dk, dv[, dbias][, dsinks]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""

@@ -22,9 +22,10 @@ from .cuda import Launch, backward_launches, forward_launches, score_set
 from .cuda import spec as S
 from .problem import ARRAY_OPTIONS, Problem, make_host_problem
 
-#: Array options whose values matter to validation (lengths, slopes); the others (masks,
-#: bias) are stood in for by zero-stride views of their shape and dtype.
-_VALUE_OPTIONS = ("alibi_slopes", "q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k")
+#: Array options whose values or layout matter to validation (lengths, slopes, rng_state:
+#: two contiguous values); the others (masks, bias) are stood in for by zero-stride views of
+#: their shape and dtype.
+_VALUE_OPTIONS = ("alibi_slopes", "q_lengths", "kv_lengths", "cu_seqlens_q", "cu_seqlens_k", "rng_state")
 
 
 def _stand_in(x: Any) -> Any:

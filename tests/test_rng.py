@@ -484,3 +484,22 @@ def test_device_rng_state_is_read_when_the_kernels_run():
             graph.launch()
             want = fc.flash_attention(q, k, v, dropout_p=0.2, seed=2**40 + 3, dropout_offset=offset)
             np.testing.assert_array_equal(out.get(), want.get())
+
+
+def test_vjp_keeps_the_forwards_rng_state():
+    """flash_attention_vjp copies rng_state after its forward: values written into the array
+    before vjp(dout) change nothing; explain and the testing assertions take rng_state too."""
+    from flashcupy.testing import assert_attention_close
+
+    rs = np.random.default_rng(4)
+    q, k, v = (rs.standard_normal((2, 3, 30, 16)).astype(np.float32) for _ in range(3))
+    state = np.array([77, 5], np.int64)
+    out, vjp = fc.flash_attention_vjp(q, k, v, dropout_p=0.3, rng_state=state)
+    state[:] = (1, 2)
+    got = vjp(np.ones_like(out))
+    _, want_vjp = fc.flash_attention_vjp(q, k, v, dropout_p=0.3, seed=77, dropout_offset=5)
+    for a, b in zip(got, want_vjp(np.ones_like(out)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    state[:] = (77, 5)
+    assert_attention_close(out, q, k, v, dropout_p=0.3, rng_state=state)
+    assert fc.explain(q, k, v, arch=90, dropout_p=0.3, rng_state=state)

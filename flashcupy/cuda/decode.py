@@ -322,7 +322,8 @@ class DecodePlan:
         if self.rows:
             split_args = call.one
             if self.copies != "simt":
-                call.pair[1] = ctypes.addressof(self.maps(k_cache, v_cache))
+                call.maps = self.maps(k_cache, v_cache)  # held here: another thread may clear the plan's maps
+                call.pair[1] = ctypes.addressof(call.maps)
                 split_args = call.pair_ptr
             launch_ptr(self.split_ptr, (self.blocks, splits), THREADS, split_args, self.smem, stream)
             launch_ptr(self.merge_ptr, (self.rows,), THREADS, call.one, 0, stream)
@@ -346,7 +347,8 @@ class _Arguments:
         address = ctypes.addressof(self.block)
         self._one = (ctypes.c_void_p * 1)(address)
         self.one = ctypes.addressof(self._one)
-        self.pair = (ctypes.c_void_p * 2)(address, ctypes.addressof(_NO_MAPS))
+        self.maps = _NO_MAPS  # the DecodeMaps block pair[1] points to, kept alive with it
+        self.pair = (ctypes.c_void_p * 2)(address, ctypes.addressof(self.maps))
         self.pair_ptr = ctypes.addressof(self.pair)
 
 

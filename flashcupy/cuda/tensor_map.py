@@ -55,12 +55,14 @@ class TiledLayout:
     def encode(self, address: int) -> ctypes.Array:
         """The 128-byte map (a ctypes array) of the tensor at ``address``; raises
         :class:`TensorMapError` with the driver's code where it refuses."""
-        out = (ctypes.c_uint8 * MAP_BYTES)()
-        code = _encoder()(ctypes.byref(out), *self._head, ctypes.c_void_p(address), *self._fixed, *self._tail)
+        room = (ctypes.c_uint8 * (MAP_BYTES + 64))()  # the driver writes a map to a 64-byte boundary
+        at = -ctypes.addressof(room) % 64
+        code = _encoder()(ctypes.c_void_p(ctypes.addressof(room) + at), *self._head, ctypes.c_void_p(address),
+                          *self._fixed, *self._tail)
         if code != 0:
             raise TensorMapError(f"cuTensorMapEncodeTiled refused {self.described} at 0x{address:x} "
                                  f"(CUresult {code})")
-        return out
+        return (ctypes.c_uint8 * MAP_BYTES).from_buffer_copy(room, at)
 
 
 def strides_for(dims: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:

@@ -55,9 +55,9 @@ def reference_results(q: Any, k: Any, v: Any, options: dict[str, Any],
     :func:`flashcupy.flash_attention` takes them."""
     q, k, v = (to_host(x) for x in (q, k, v))
     options = host_options(options)
-    if options.get("dropout_p", 0.0) and options.get("seed") is None:
-        raise ValueError("seed: expected an int when dropout_p > 0 (the reference needs the same dropout bits), "
-                         "received None")
+    if options.get("dropout_p", 0.0) and options.get("seed") is None and options.get("rng_state") is None:
+        raise ValueError("seed: expected an int (or an rng_state) when dropout_p > 0 (the reference needs the same "
+                         "dropout bits), received None")
     pb = make_host_problem(q, k, v, options)
     if dout is not None:
         dout = to_host(dout)
