@@ -322,6 +322,7 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
     kernels = cpu_kernels.kernels()
     k, v = _as_operand(pb.k, acc), _as_operand(pb.v, acc)
     scale2 = acc.type(pb.scale * LOG2E)
+    seed, offset = pb.dropout_key()  # read once (an rng_state's values as the call runs)
     tasks, costs = [], []
     stacked = _stacked(pb, block_m)
     if stacked:  # (segments of `stacked` kv heads' query heads, 0, Lq): every row valid, heads adjacent
@@ -398,7 +399,7 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 st[:, c] = column[:, 0]
             if pb.dropout_p > 0:  # after l: lse is taken before dropout
                 z = scratch.get("z", j1 - j0, rows)
-                kernels.dropout_scale(z, *pb.dropout_key(), seg.bh, i0, j0, pb.dropout_p)
+                kernels.dropout_scale(z, seed, offset, seg.bh, i0, j0, pb.dropout_p)
                 st *= z
             if kv == 1:
                 np.matmul(st.T, vs[j0:j1], out=pv)
@@ -471,6 +472,7 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
     dK and dV are summed over each GQA group.
     """
     acc = accumulator_dtype(pb.dtype)
+    seed, offset = pb.dropout_key()  # read once (an rng_state's values as the call runs)
     dq = np.zeros(pb.q.shape, dtype=acc)
     dk = np.zeros(pb.k.shape, dtype=acc)
     dv = np.zeros(pb.v.shape, dtype=acc)
@@ -536,7 +538,7 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
                     z = None
                     if pb.dropout_p > 0:
                         z = scratch.get("z", n, rows)
-                        kernels.dropout_scale(z, *pb.dropout_key(), seg.bh, i0, j0, pb.dropout_p)
+                        kernels.dropout_scale(z, seed, offset, seg.bh, i0, j0, pb.dropout_p)
                     kernels.backward_tile(st, dpt, lse_safe, delta, z)  # st = P'^T, dpt = dS^T
                     dv_seg[j0:j1] += np.matmul(st, do, out=scratch.get("dv", n, pb.head_dim_v))  # dV += P'^T dO
                     if bias_grad:
