@@ -28,7 +28,7 @@ import numpy as np
 from . import api as _api
 from . import interop
 from .problem import dtype_name
-from .problem import make_device_problem, make_host_problem
+from .problem import device_array, make_device_problem, make_host_problem
 from .problem.validate import check_array, host_array
 
 
@@ -232,9 +232,7 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         if cache_seqlens.ndim > 1 or cache_seqlens.size not in (1, batch):
             raise ValueError(f"cache_seqlens: expected an int or a shape ({batch},) (one per sequence), "
                              f"received {tuple(cache_seqlens.shape)}")
-        if cache_seqlens.data.device_id != q.data.device_id:
-            raise ValueError(f"cache_seqlens: expected an array on CUDA device {q.data.device_id} like q, "
-                             f"received one on device {cache_seqlens.data.device_id}")
+        device_array("cache_seqlens", cache_seqlens, q.data.device_id)  # on q's device (no copy)
         lengths = cache_seqlens if cache_seqlens.shape == (batch,) and cache_seqlens.dtype == np.int32 and \
             cache_seqlens.strides == (4,) else \
             xp.ascontiguousarray(xp.broadcast_to(cache_seqlens.reshape(-1), (batch,)), dtype=np.int32)
@@ -247,10 +245,7 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     table = None
     if lay.paged:
         if interop._is_cupy(block_table):
-            if block_table.data.device_id != q.data.device_id:
-                raise ValueError(f"block_table: expected an array on CUDA device {q.data.device_id} like q, "
-                                 f"received one on device {block_table.data.device_id}")
-            table = dec.device_table(block_table)
+            table = dec.device_table(device_array("block_table", block_table, q.data.device_id))
         elif total is None:  # device lengths: the slots in use are known on the device only, where they are checked
             table = xp.asarray(np.ascontiguousarray(host_array("block_table", block_table), dtype=np.int32))
         else:

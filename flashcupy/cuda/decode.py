@@ -83,19 +83,21 @@ def _rows(rows: int) -> int:
 
 
 @functools.cache
-def plan(dtype: np.dtype, d: int, dv: int, rows: int, device_id: int, tma: bool = False) -> tuple[str, int, int]:
-    """(decode kernel's name expression, keys a step of its key loop, shared-memory bytes) for
-    head dims d, dv and G * Lq rows on a device: mma.sync for float16 and bfloat16 on sm_80+
-    (its K and V tiles by tensor copies where ``tma`` and :func:`tma_fits`), the CUDA-core
-    kernel otherwise."""
+def plan(dtype: np.dtype, d: int, dv: int, rows: int, device_id: int,
+         tma: bool = False) -> tuple[str, int, int, str]:
+    """(decode kernel's name expression, keys a step of its key loop, shared-memory bytes, its
+    copies) for head dims d, dv and G * Lq rows on a device: mma.sync for float16 and bfloat16
+    on sm_80+, its K and V tiles by tensor copies ("tma") where ``tma`` and :func:`tma_fits`,
+    else by cp.async ("cp.async"); the CUDA-core kernel ("simt") otherwise."""
     name = _dtype_name(dtype)
     hk, hv = _padded(d), _padded(dv)
     if np.dtype(dtype).itemsize == 2 and device_limits(device_id)[0] >= 80:
         tma = tma and tma_fits(dtype, d, dv, device_id)
         tile, smem = mma_shape(hk, hv, tma)
-        return f"flash::decode_split_mma<{CXX_TYPE[name]}, {hk}, {hv}, {str(tma).lower()}, {smem}>", tile, smem
+        return (f"flash::decode_split_mma<{CXX_TYPE[name]}, {hk}, {hv}, {str(tma).lower()}, {smem}>", tile, smem,
+                "tma" if tma else "cp.async")
     tile, smem = tile_shape(name, hk, hv, _rows(rows))
-    return f"flash::decode_split<{CXX_TYPE[name]}, {hk}, {hv}, {_rows(rows)}, {smem}>", tile, smem
+    return f"flash::decode_split<{CXX_TYPE[name]}, {hk}, {hv}, {_rows(rows)}, {smem}>", tile, smem, "simt"
 
 
 def unsupported(q: Any, k_cache: Any, v_cache: Any) -> str | None:
@@ -158,19 +160,18 @@ def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
 def kernels(q: Any, v_cache: Any, pb: Problem, page: int = 0,
             tma: bool = True) -> tuple[Any, Any, Any, int, int, str]:
     """(split kernel, merge kernel, append kernel, keys a step, shared memory, the split
-    kernel's copies: "tma", "cp.async" (decode_split_mma) or "simt" (decode_split)) of a call,
+    kernel's copies as :func:`plan` names them) of a call,
     compiled (once a process; flash_attention_with_kvcache asks before it writes the cache,
     so a compile error leaves the cache as it was). page: keys a block of a paged cache (0:
     contiguous); tensor copies where ``tma`` and the layout allows (:func:`tma_fits`, pages of
     whole 16-key tiles)."""
     tma = tma and page % MMA_KEYS == 0
-    split_name, tile, smem = plan(pb.dtype, q.shape[-1], v_cache.shape[-1], pb.group_size * q.shape[2], q.device.id,
-                                  tma)
+    split_name, tile, smem, copies = plan(pb.dtype, q.shape[-1], v_cache.shape[-1], pb.group_size * q.shape[2],
+                                          q.device.id, tma)
     split_fn = get_function("decode", split_name, q.device.id, smem)
     cxx = CXX_TYPE[_dtype_name(pb.dtype)]
     merge_fn = get_function("decode", f"flash::decode_merge<{cxx}>", q.device.id)
     append_fn = get_function("decode", f"flash::decode_append<{cxx}>", q.device.id)
-    copies = "simt" if "decode_split<" in split_name else "tma" if ", true," in split_name else "cp.async"
     return split_fn, merge_fn, append_fn, tile, smem, copies
 
 

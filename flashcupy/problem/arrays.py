@@ -54,8 +54,9 @@ def device_array(name: str, x: Any, device: int):
         host = host_array(name, x)
         with cupy.cuda.Device(device):
             return cupy.asarray(host)
-    if arr.device.id != device:
-        raise ValueError(f"{name}: expected an array on CUDA device {device} like q, received one on device {arr.device.id}")
+    if arr.data.device_id != device:  # the pointer's device: no Device object made
+        raise ValueError(f"{name}: expected an array on CUDA device {device} like q, received one on device "
+                         f"{arr.data.device_id}")
     return arr
 
 
