@@ -12,7 +12,7 @@ import dataclasses
 
 from typing import Any, Callable
 
-from . import cpu, cuda, interop, rng, sinks
+from . import calls, cpu, cuda, interop, rng, sinks
 from .cuda.spec import NoKernelError
 from .problem import (
     BACKENDS, OPTION_DEFAULTS, Problem, check_device_backward_arrays, check_dropout, check_host_backward_arrays,
@@ -77,11 +77,37 @@ def _run_forward(pb: Problem, backend: str):
     return out, lse
 
 
-def _forward(q: Any, k: Any, v: Any, options: dict[str, Any], prepared: tuple | None = None):
-    """(pb, out, lse) with out and lse in the caller's kind and layout; ``prepared`` as in
-    :func:`_compute` (a problem validated before the call)."""
-    pb, restore, _, (out, lse) = _compute(q, k, v, options, _run_forward, prepared)
+def _forward(q: Any, k: Any, v: Any, options: dict[str, Any], key: tuple | None = None):
+    """(pb, out, lse) with out and lse in the caller's kind and layout; the forward's plan kept
+    for ``key`` (:mod:`flashcupy.calls`) when it ran on the GPU."""
+    pb, restore, backend, (out, lse) = _compute(q, k, v, options, _run_forward)
+    _learn_forward(key, pb, backend)
     return pb, restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))
+
+
+def _learn_forward(key: tuple | None, pb: Problem, backend: str) -> None:
+    """Keep the plan of a forward that the full path ran (on the GPU) for CuPy calls of ``key``."""
+    if backend == "cuda" and not calls.CUPY.knows(key):
+        calls.CUPY.learn(key, pb.q.device.id, lambda: cuda.forward_plan(pb))
+
+
+def _backward_planned(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, options: dict[str, Any],
+                      deterministic: bool) -> tuple[calls.Planned | None, tuple | None, tuple | None]:
+    """(the planned entry of a CuPy call's options, the backward's key in it, (dq, dk, dv)
+    where that backward is planned, else None)."""
+    planned = calls.CUPY.get(calls.CUPY.key(q, k, v, options))
+    if planned is None:
+        return None, None, None
+    key = planned.backward_key(dout, out, lse, deterministic)
+    return planned, key, planned.backward(key, dout, q, k, v, out, lse)
+
+
+def _learn_backward(planned: calls.Planned | None, key: tuple | None, pb: Problem, backend: str, dout: Any, out: Any,
+                    lse: Any, deterministic: bool) -> None:
+    """Keep the plan of a backward (no dbias) that the full path ran on the GPU in ``planned``."""
+    if planned is not None and backend == "cuda" and not planned.knows_backward(key):
+        planned.learn_backward(key, lambda: cuda.backward_plan(pb, *check_device_backward_arrays(pb, dout, out, lse),
+                                                                deterministic))
 
 
 def _run_backward(pb: Problem, backend: str, dout: Any, out: Any, lse: Any, bias_grad: bool, deterministic: bool):
@@ -193,7 +219,12 @@ def flash_attention(
     """
     options = dict(locals())
     del options["q"], options["k"], options["v"]
-    pb, out, lse = _forward(q, k, v, _with_seed(options))
+    key = calls.CUPY.key(q, k, v, options)
+    planned = calls.CUPY.get(key)
+    if planned is not None:
+        out, lse = planned.forward(q, k, v)
+        return (out, lse) if return_lse else out
+    pb, out, lse = _forward(q, k, v, _with_seed(options), key)
     return (out, lse) if pb.return_lse else out
 
 
@@ -203,7 +234,11 @@ def flash_attention_forward(q: Any, k: Any, v: Any, **options: Any):
     Takes the keyword options of ``flash_attention``; ``seed`` (or ``rng_state``) is
     required when ``dropout_p > 0`` so that the backward can regenerate the mask.
     """
-    _, out, lse = _forward(q, k, v, _with_seed(options, required=True))
+    key = calls.CUPY.key(q, k, v, options)
+    planned = calls.CUPY.get(key)
+    if planned is not None:
+        return planned.forward(q, k, v)
+    _, out, lse = _forward(q, k, v, _with_seed(options, required=True), key)
     return out, lse
 
 
@@ -248,9 +283,14 @@ def flash_attention_backward(
             raise TypeError(f"{name}: expected a bool, received {flag!r}")
     if bias_grad and options.get("bias") is None:
         raise ValueError("bias_grad: expected a bias to differentiate, received bias=None")
-    pb, restore, _, (dq, dk, dv, dbias, dsinks) = _compute(
+    planned, key, grads = (None, None, None) if bias_grad else _backward_planned(dout, q, k, v, out, lse, options,
+                                                                                  deterministic)
+    if grads is not None:
+        return grads
+    pb, restore, backend, (dq, dk, dv, dbias, dsinks) = _compute(
         q, k, v, options, lambda pb, backend: _run_backward(pb, backend, dout, out, lse, bias_grad, deterministic)
     )
+    _learn_backward(planned, key, pb, backend, dout, out, lse, deterministic)
     return _gradients(pb, restore, dq, dk, dv, dbias if bias_grad else None, dsinks)
 
 
@@ -269,8 +309,13 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
     ``rng_state`` is copied after the forward and the copy read by ``vjp``.
     ``return_lse=True`` makes the first result ``(out, lse)``.
     """
+    key = calls.CUPY.key(q, k, v, options)
+    planned = calls.CUPY.get(key)
+    if planned is not None:
+        return _planned_vjp(planned, q, k, v, options)
     options = _with_seed(options)
     pb, restore, backend, (out, lse) = _compute(q, k, v, options, _run_forward)
+    _learn_forward(key, pb, backend)
     if pb.rng_state is not None:
         # the forward's (seed, offset) for the vjp, whatever the caller writes into the array
         # after: on the GPU a device copy, queued (and captured in a CUDA graph) after the kernels
@@ -278,15 +323,34 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
 
     def vjp(dout: Any):
         """(dq, dk, dv[, dbias][, dsinks]) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
+        out_c, lse_c = _squeeze(pb, out), _squeeze(pb, lse)
+        planned, bkey, grads = _backward_planned(dout, q, k, v, out_c, lse_c, options, False)
+        if grads is not None:
+            return grads
         _, _, _, (dq, dk, dv, dbias, dsinks) = _compute(
             q, k, v, options,
-            lambda pbb, be: _run_backward(pbb, be, dout, _squeeze(pb, out), _squeeze(pb, lse), pb.bias is not None, False),
+            lambda pbb, be: _run_backward(pbb, be, dout, out_c, lse_c, pb.bias is not None, False),
             prepared=(pb, restore, backend),  # the forward's validated problem: no second pass or copy
         )
+        if pb.bias is None:
+            _learn_backward(planned, bkey, pb, backend, dout, out_c, lse_c, False)
         return _gradients(pb, restore, dq, dk, dv, dbias, dsinks)
 
     result = (restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))) if pb.return_lse else restore(_squeeze(pb, out))
     return result, vjp
+
+
+def _planned_vjp(planned: calls.Planned, q: Any, k: Any, v: Any, options: dict[str, Any]):
+    """:func:`flash_attention_vjp` of a planned CuPy call (no bias, sinks or dropout)."""
+    out, lse = planned.forward(q, k, v)
+
+    def vjp(dout: Any):
+        """(dq, dk, dv) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
+        key = planned.backward_key(dout, out, lse, False)
+        grads = planned.backward(key, dout, q, k, v, out, lse)
+        return grads if grads is not None else flash_attention_backward(dout, q, k, v, out, lse, **options)
+
+    return ((out, lse) if options.get("return_lse", False) else out), vjp
 
 
 def flash_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, **options: Any):

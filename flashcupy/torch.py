@@ -48,11 +48,15 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
     raise ImportError("flashcupy.torch needs PyTorch: pip install torch") from exc
 
 from . import api as _api
+from . import calls as _calls
+from . import cuda as _cuda
 from . import rng as _rng
 from .problem import ARRAY_OPTIONS as _ARRAY_OPTIONS
 from .problem import INT32_LIST_OPTIONS as _INT32_LISTS
 from .problem import check_causal as _check_causal
+from .problem import check_device_backward_arrays as _check_device_backward_arrays
 from .problem import check_window as _check_window
+from .problem import make_device_problem as _make_device_problem
 from .problem.options import _check_dropout  # uncached: torch.compile traces it
 from .problem.options import _scale as _check_scale
 from .problem.options import _softcap as _check_softcap
@@ -215,6 +219,119 @@ def _on_device(device: torch.device):
     # A Device per call: its context keeps its stack on the object, not per thread.
     with cupy.cuda.Device(device.index), stream, cupy.cuda.using_allocator(memory):
         yield memory.allocations
+
+
+# --------------------------------------------------------------------------- planned calls
+
+
+class _TorchKind(_calls.Kind):
+    """CUDA torch tensors (flashcupy.calls): torch's caching allocator, current device and
+    stream; the results are torch tensors."""
+
+    def __init__(self) -> None:
+        self._devices: dict[int, torch.device] = {}
+
+    def layout(self, x: Any) -> tuple | None:
+        if type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter:  # not subclasses (fake, distributed)
+            return None
+        device = x.get_device()
+        if device < 0 or x.dtype not in _PLANNED_DTYPES:
+            return None
+        return x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16 == 0
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def stream(self, device: int) -> int:
+        return _current_raw_stream(device)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, poisoned: bool, device: int) -> torch.Tensor:
+        where = self._devices.get(device)
+        if where is None:
+            where = self._devices[device] = torch.device("cuda", device)
+        if poisoned:
+            return torch.full(shape, float("nan"), dtype=_torch_dtype(dtype), device=where)
+        return torch.empty(shape, dtype=_torch_dtype(dtype), device=where)
+
+    def address(self, x: torch.Tensor) -> int:
+        return x.data_ptr()
+
+    def copy(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone(memory_format=torch.contiguous_format)
+
+
+#: The tensor dtypes of planned calls (the kernels' four).
+_PLANNED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+#: Calls on CUDA tensors without bias, sinks or dropout, planned after their first (flashcupy.calls).
+_CALLS = _calls.Calls(_TorchKind())
+
+
+def _views(*tensors: torch.Tensor) -> list[Any]:
+    return [_to_array(x) for x in tensors]
+
+
+def _forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any]) -> Any:
+    """The CUDA backend's plan of a forward that the full path ran with flashcupy's ``options``,
+    or None (another backend ran it, or the layout is not planned)."""
+    with _on_device(q.device):
+        arrays = _views(q, k, v)
+        if _api._backend(options.get("backend", "auto"), arrays[0]) != "cuda":
+            return None
+        return _cuda.forward_plan(_make_device_problem(*arrays, options))
+
+
+def _backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, options: dict[str, Any], deterministic: bool) -> Any:
+    """As :func:`_forward_plan`, for the backward (no dbias) of these tensors."""
+    with _on_device(q.device):
+        arrays = _views(q, k, v)
+        pb = _make_device_problem(*arrays, options)
+        return _cuda.backward_plan(pb, *_check_device_backward_arrays(pb, *_views(dout, out, lse)), deterministic)
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """A planned call (flashcupy.calls) under autograd: its forward plan, then its backward
+    plan for dout's layout (the full path the first time a layout comes, which plans it)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, planned):
+        out, lse = planned.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.planned = planned
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        planned = ctx.planned
+        key = planned.backward_key(dout, out, lse)
+        grads = planned.backward(key, dout, q, k, v, out, lse)
+        if grads is None:
+            tensors, scalars, deterministic = planned.context
+            grads = _backward_impl(dout, q, k, v, out, lse, tensors, scalars, False, deterministic)[:3]
+            if not planned.knows_backward(key):
+                planned.learn_backward(key, lambda: _backward_plan(dout, q, k, v, out, lse, _decode(tensors, scalars),
+                                                                   deterministic))
+        return (*grads, None)
+
+
+def _planned_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, deterministic: Any,
+                  options: dict[str, Any]) -> tuple[tuple | None, Any]:
+    """(the call's key in _CALLS or None, its result where it is planned, else None)."""
+    if torch.compiler.is_compiling() or not (deterministic is None or type(deterministic) is bool):
+        return None, None
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    key = _CALLS.key(q, k, v, options, deterministic)
+    planned = _CALLS.get(key)
+    if planned is None:
+        return key, None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _PlannedAttention.apply(q, k, v, planned)
+    else:
+        out, lse = planned.forward(q, k, v)
+    return key, ((out, lse) if options.get("return_lse", False) else out)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -501,6 +618,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     ``flashcupy::attention_backward`` (``torch.library.custom_op``, with fake
     functions), so ``torch.compile(fullgraph=True)`` traces through them.
     """
+    key = None
+    if bias is None and sinks is None:
+        key, result = _planned_call(q, k, v, deterministic, options)
+        if result is not None:
+            return result
     _check_tensors(q, k, v, bias)
     return_lse = options.pop("return_lse", False)
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -520,6 +642,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     else:
         out, lse = _EagerAttention.apply(q, k, v, *(tensors[name] for name in _TENSOR_OPTIONS), scalars,
                                          deterministic)
+        if not _CALLS.knows(key):
+            _CALLS.learn(key, q.get_device(), lambda: _forward_plan(q, k, v, _decode(tensors, scalars)),
+                         (tensors, scalars, deterministic))
     return (out, lse) if return_lse else out
 
 

@@ -323,6 +323,63 @@ def test_reused_parameter_blocks_give_the_results_of_fresh_ones(monkeypatch) -> 
                 assert np.array_equal(got.view(np.uint8), c.view(np.uint8)), f"{what}: result {n} differs bitwise"
 
 
+#: (q shape, k shape, options, dtype, layout) of planned CuPy calls; "blhd": (B, L, H, D) memory.
+PLANNED_CASES = {
+    "fp16": ((2, 3, 130, 64), (2, 3, 130, 64), {}, F16, "bhld"),
+    "bf16 GQA causal, (B, L, H, D)": ((1, 8, 70, 64), (1, 2, 90, 64), {"causal": True}, BF16, "blhd"),
+    "fp32 one head 2-D, window": ((33, 40), (45, 40), {"window": (4, 2), "scale": 0.3}, F32, "bhld"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(PLANNED_CASES))
+def test_planned_cupy_calls_equal_the_full_path_and_skip_it(case, monkeypatch) -> None:
+    """flash_attention, flash_attention_forward / _backward and flash_attention_vjp on CuPy
+    arrays laid out like an earlier call run its kept plans (flashcupy.calls): no validation,
+    results equal the full path's bit for bit (dQ of the non-deterministic vjp to rounding),
+    poisoned outputs all written; torch's broadcast gradient of a sum is copied contiguous."""
+    cupy = pytest.importorskip("cupy")
+    import flashcupy as fc
+    from flashcupy import api, calls
+
+    qs, ks, opts, dtype, layout = PLANNED_CASES[case]
+    monkeypatch.setattr(calls, "CUPY", calls.Calls(calls.CUPY.kind))
+    monkeypatch.setattr(cuda, "poison_outputs", True)
+    prepared = []
+    real_prepare = api._prepare
+    monkeypatch.setattr(api, "_prepare", lambda *a, **kw: prepared.append(1) or real_prepare(*a, **kw))
+    rs = np.random.default_rng(5)
+
+    def device(shape):
+        x = cupy.asarray(rs.standard_normal(shape).astype(dtype))
+        return cupy.ascontiguousarray(x.swapaxes(1, 2)).swapaxes(1, 2) if layout == "blhd" else x
+
+    q, k, v, dout = device(qs), device(ks), device(ks), device(qs)
+    broadcast = cupy.broadcast_to(dout.ravel()[:1].reshape((1,) * dout.ndim), dout.shape)
+
+    def host(results):
+        return [x.get() for x in results]
+
+    def steps():
+        out, lse = fc.flash_attention(q, k, v, return_lse=True, **opts)
+        f_out, f_lse = fc.flash_attention_forward(q, k, v, **opts)
+        det = fc.flash_attention_backward(dout, q, k, v, f_out, f_lse, deterministic=True, **opts)
+        summed = fc.flash_attention_backward(broadcast, q, k, v, f_out, f_lse, deterministic=True, **opts)
+        v_out, vjp = fc.flash_attention_vjp(q, k, v, **opts)
+        return host([out, lse, f_out, f_lse, *det, *summed, v_out]), host(vjp(dout))
+
+    want, want_vjp = steps()  # full path (the vjp's forward is flash_attention_forward's plan)
+    assert np.array_equal(want[-1].view(np.uint8), want[0].view(np.uint8))
+    steps()
+    prepared.clear()
+    got, got_vjp = steps()
+    assert not prepared, "a planned call was validated again"
+    for a, b in zip(got + got_vjp[1:], want + want_vjp[1:], strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and not np.isnan(a.astype(np.float32)).any()
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    np.testing.assert_allclose(got_vjp[0].astype(np.float32), want_vjp[0].astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
 def test_score_operands_reach_the_kernels_with_contiguous_aligned_rows() -> None:
     """Biases and masks whose keys are strided or broadcast, or whose rows are not 16-byte
     aligned, are copied once (their distinct elements, rows padded) and broadcast back: the

@@ -456,6 +456,7 @@ def test_cuda_matches_sdpa(name, qs, ks, opts, dtype) -> None:
 
 @pytest.mark.gpu
 def test_cuda_tensors_are_not_copied(monkeypatch) -> None:
+    monkeypatch.setattr(fct, "_CALLS", fct._calls.Calls(fct._TorchKind()))  # the full path: no planned call
     seen = {}
     forward, backward = api.flash_attention_forward, api.flash_attention_backward
 
@@ -577,6 +578,85 @@ def test_cuda_graph_replays_with_new_inputs(backward) -> None:
         want = step(*(x.detach().clone().requires_grad_(backward) for x in static))  # fresh leaves, eagerly
         for got, exp in zip(captured, want, strict=True):
             assert torch.equal(got, exp)
+
+
+#: (q shape, k shape, options, dtype, layout) of planned calls: "blhd" views (B, L, H, D) memory as (B, H, L, D).
+PLANNED_CASES = {
+    "fp16": ((2, 4, 96, 64), (2, 4, 96, 64), {}, torch.float16, "bhld"),
+    "bf16 GQA causal top-left, (B, L, H, D)": ((1, 8, 130, 64), (1, 2, 70, 64), {"causal": "top_left"}, torch.bfloat16,
+                                               "blhd"),
+    "fp16 window softcap D 128": ((2, 2, 77, 128), (2, 2, 77, 128), {"window": (9, 3), "softcap": 5.0}, torch.float16,
+                                  "bhld"),
+    "fp32 return_lse scale D 40": ((2, 2, 33, 40), (2, 2, 45, 40), {"return_lse": True, "scale": 0.3}, torch.float32,
+                                   "blhd"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dout_kind", ["given", "sum"])
+@pytest.mark.parametrize("case", list(PLANNED_CASES))
+def test_planned_calls_equal_the_full_path_and_skip_it(case, dout_kind, monkeypatch) -> None:
+    """A call laid out like an earlier one (flashcupy.calls) runs its kept plans: outputs and
+    deterministic gradients equal the full path's bit for bit, poisoned outputs are all
+    written, and neither flashcupy's forward nor its backward runs again. The backward's plan
+    comes from the first planned call's backward (dout given, or torch's broadcast gradient
+    of out.sum(), copied contiguous)."""
+    import flashcupy.cuda as fcuda
+
+    qs, ks, opts, dtype, layout = PLANNED_CASES[case]
+    monkeypatch.setattr(fct, "_CALLS", fct._calls.Calls(fct._TorchKind()))
+    monkeypatch.setattr(fcuda, "poison_outputs", True)
+
+    def make(shape, seed):
+        x = _randn(shape, dtype, device="cuda", seed=seed, requires_grad=False)
+        if layout == "blhd":
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        return x.requires_grad_()
+
+    q, k = make(qs, 1), make(ks, 2)
+    v = make(ks, 3)
+    dout = _randn(qs, dtype, device="cuda", seed=4, requires_grad=False)
+    full_calls = []
+    for name in ("flash_attention_forward", "flash_attention_backward"):
+        real = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _f=real, _n=name, **kw: full_calls.append(_n) or _f(*a, **kw))
+
+    def call():
+        result = fct.flash_attention(q, k, v, deterministic=True, **opts)
+        out = result[0] if isinstance(result, tuple) else result
+        grads = torch.autograd.grad(out.sum() if dout_kind == "sum" else out, (q, k, v),
+                                    None if dout_kind == "sum" else dout)
+        return [*(result if isinstance(result, tuple) else (result,)), *grads]
+
+    runs = []
+    for _ in range(3):
+        full_calls.clear()
+        runs.append(call())
+        runs[-1].append(list(full_calls))
+    assert runs[0][-1] == ["flash_attention_forward", "flash_attention_backward"]
+    assert runs[1][-1] == ["flash_attention_backward"]  # planned forward; its backward's first call plans it
+    assert runs[2][-1] == []
+    for planned in runs[1:]:
+        for got, want in zip(planned[:-1], runs[0][:-1], strict=True):
+            assert got.shape == want.shape and got.dtype == want.dtype and got.device == want.device
+            assert not got.isnan().any()
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_planned_calls_follow_the_options_and_grad_mode(monkeypatch) -> None:
+    """Another option value is another key (full path, then planned); without grad a planned
+    call builds no autograd node."""
+    monkeypatch.setattr(fct, "_CALLS", fct._calls.Calls(fct._TorchKind()))
+    q, k, v = (_randn((1, 2, 64, 64), torch.float16, device="cuda", seed=s) for s in (5, 6, 7))
+    for opts in ({"causal": True}, {"causal": "top_left"}, {"scale": 0.5}, {"scale": -0.5}):
+        want = fct.flash_attention(q, k, v, **opts)
+        assert torch.equal(fct.flash_attention(q, k, v, **opts), want)
+        with torch.no_grad():
+            planned = fct.flash_attention(q, k, v, **opts)
+        assert planned.grad_fn is None and torch.equal(planned, want)
+    assert len(fct._CALLS._entries) == 4
+    assert all(entry is not None for entry in fct._CALLS._entries.values())
 
 
 @pytest.mark.gpu

@@ -18,11 +18,11 @@ import numpy as np
 from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
-from .compile import get_function
+from .compile import KeptBlock, get_function, launch_ptr
 from .compile import launch as launch_block
 from .spec import (
-    ROW_PASS_ROWS, ROW_PASS_THREADS, TILE_MAP_THREADS, BackwardSpec, KernelSpec, ScoreSet, TileMap, backward_key_block_major,
-    select_backward, select_forward,
+    ROW_PASS_ROWS, ROW_PASS_THREADS, TILE_MAP_THREADS, BackwardSpec, KernelSpec, NoKernelError, ScoreSet, TileMap,
+    backward_key_block_major, select_backward, select_forward,
 )
 
 #: Fill outputs with NaN before each launch (tests set it) so unwritten elements show.
@@ -316,27 +316,60 @@ _BACKWARD_POINTERS = ("f.q", "f.k", "f.v", "f.o", "f.lse", "dout", "out", "delta
                       "dq_accum")
 
 
+class LaunchPlan:
+    """The launches of calls laid out alike (:func:`_layout_key`): their parameter block as a
+    template whose pointers each call fills in (in the order of ``_FORWARD_POINTERS`` or
+    ``_BACKWARD_POINTERS``), and each launch's CUfunction, grid, threads and shared memory,
+    launched through the driver with a parameter block kept per thread. ``copied``: which
+    row operands :func:`_rows` copied for the call that made the plan; ``packed``: whether
+    each of those copies was C-contiguous (a caller may then pass its own contiguous copy)."""
+
+    def __init__(self, template: P.Template, launches: list[Launch], device_id: int, copied: tuple[bool, ...],
+                 packed: tuple[bool, ...]) -> None:
+        self.template, self.launches, self.device_id = template, launches, device_id
+        self.copied, self.packed = copied, packed
+        self._functions = tuple((get_function(x.family, x.name, device_id, x.smem_bytes).kernel.ptr, x.grid,
+                                 x.threads, x.smem_bytes) for x in launches)
+        self._local = threading.local()
+
+    def run(self, stream: int, *pointers: int) -> None:
+        """Queue the launches on ``stream`` (a CUDA stream handle) with the template's
+        pointer fields set to ``pointers``; the current device must be the plan's."""
+        kept = getattr(self._local, "kept", None)
+        if kept is None:
+            kept = self._local.kept = KeptBlock(self.template)
+        self.template.fill_into(kept.block, *pointers)
+        for function, grid, threads, smem_bytes in self._functions:
+            launch_ptr(function, grid, threads, kept.one, smem_bytes, stream)
+
+
+def _launch_plan(template: P.Template, launches: list[Launch], device_id: int, rows: tuple,
+                 operands: tuple) -> LaunchPlan:
+    """The plan of a call's block and launches; ``rows``: its row operands as :func:`_rows`
+    made them from ``operands``."""
+    copied = tuple(r.data.ptr != x.data.ptr for r, x in zip(rows, operands))
+    packed = tuple(c and r.flags.c_contiguous for c, r in zip(copied, rows))
+    return LaunchPlan(template, launches, device_id, copied, packed)
+
+
 class _Templates:
-    """Earlier calls by :func:`_layout_key`: each call's parameter block as a template whose
-    pointers each later call fills in, its launches (the key holds everything they depend
-    on) and which row operands :func:`_rows` copied for it; beyond ``size`` entries the
+    """Earlier calls' :class:`LaunchPlan` by :func:`_layout_key` (the key holds everything
+    their blocks and launches depend on but the pointers); beyond ``size`` entries the
     oldest goes."""
 
     def __init__(self, size: int = 256) -> None:
         self._size = size
-        self._entries: dict[tuple, tuple[P.Template, list[Launch], tuple[bool, ...]]] = {}
+        self._entries: dict[tuple, LaunchPlan] = {}
         self._lock = threading.Lock()  # writers only: a lookup is one atomic dict.get
 
-    def get(self, key: tuple | None) -> tuple[P.Template, list[Launch], tuple[bool, ...]] | None:
+    def get(self, key: tuple | None) -> LaunchPlan | None:
         return None if key is None else self._entries.get(key)
 
-    def put(self, key: tuple, template: P.Template, launches: list[Launch], rows: tuple, operands: tuple) -> None:
-        """Keep a call's block (``rows``: its row operands as :func:`_rows` made them from ``operands``)."""
-        copied = tuple(r.data.ptr != x.data.ptr for r, x in zip(rows, operands))
+    def put(self, key: tuple, plan: LaunchPlan) -> None:
         with self._lock:
             if len(self._entries) >= self._size:
                 del self._entries[next(iter(self._entries))]
-            self._entries[key] = (template, launches, copied)
+            self._entries[key] = plan
 
 
 _FORWARD_TEMPLATES = _Templates()
@@ -357,17 +390,17 @@ def _layout_key(pb: Problem, device_id: int, operands: tuple, *extra: Any) -> tu
             pb.dropout_p, pb.seed, pb.dropout_offset, *[(x.shape, x.strides) for x in operands], *extra)
 
 
-def _template_rows(pb: Problem, operands: tuple, cached: tuple | None, xp) -> list | None:
-    """The row operands of a call reusing the template ``cached`` (an entry of _Templates, or
-    None): each operand itself where the template's call used it so, else a fresh copy by
+def _template_rows(pb: Problem, operands: tuple, cached: LaunchPlan | None, xp) -> list | None:
+    """The row operands of a call reusing the plan ``cached`` (from _Templates, or None):
+    each operand itself where the plan's call used it so, else a fresh copy by
     :func:`_rows`, laid out as that call's was (the key fixes shapes and strides). None where
-    the template does not apply: none cached, a pointer not 16-byte aligned where the
-    template's call had one that was, or an operand :func:`_rows` no longer copies (its copy
-    then was for a misaligned pointer: the template holds the copy's strides)."""
+    the plan does not apply: none cached, a pointer not 16-byte aligned where the plan's
+    call had one that was, or an operand :func:`_rows` no longer copies (its copy then was
+    for a misaligned pointer: the plan's block holds the copy's strides)."""
     if cached is None:
         return None
     rows = []
-    for x, copied in zip(operands, cached[2]):
+    for x, copied in zip(operands, cached.copied):
         if copied:
             x_rows = _rows(pb, x, xp)
             if x_rows.data.ptr == x.data.ptr:
@@ -401,8 +434,7 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         cached = _FORWARD_TEMPLATES.get(key)
         rows = _template_rows(pb, operands, cached, xp)
         if rows is not None:
-            template, launches, _ = cached
-            block = template.fill_bytes(*(x.data.ptr for x in rows), out.data.ptr, lse.data.ptr)
+            cached.run(xp.cuda.get_current_stream().ptr, *(x.data.ptr for x in rows), out.data.ptr, lse.data.ptr)
             keep_alive = rows
         else:
             q, k, v = _operands(pb, xp)
@@ -410,10 +442,11 @@ def forward(pb: Problem) -> tuple[Any, Any]:
                                                  row_blocks=forward_row_blocks(pb, spec), maps=spec.tile_maps)
             launches = forward_launches(pb, spec)
             if key is not None:
-                _FORWARD_TEMPLATES.put(key, P.Template(params, _FORWARD_POINTERS), launches, (q, k, v), operands)
+                _FORWARD_TEMPLATES.put(key, _launch_plan(P.Template(params, _FORWARD_POINTERS), launches, device_id,
+                                                         (q, k, v), operands))
             block = bytearray(params.tobytes())
-        for launch in launches:
-            _run(launch, device_id, block)
+            for launch in launches:
+                _run(launch, device_id, block)
         del keep_alive  # safe: memory CuPy frees now is reused only by work queued after this launch
     return out, lse
 
@@ -473,10 +506,9 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         rows = _template_rows(pb, operands, cached, xp)
         finish_dbias = None
         if rows is not None:
-            template, launches, _ = cached
             q_ptr, k_ptr, v_ptr, dout_ptr, out_ptr = (x.data.ptr for x in rows)
-            block = template.fill_bytes(q_ptr, k_ptr, v_ptr, out_ptr, lse.data.ptr, dout_ptr, out_ptr,
-                                        delta.data.ptr, lse2.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum)
+            cached.run(xp.cuda.get_current_stream().ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse.data.ptr, dout_ptr, out_ptr,
+                       delta.data.ptr, lse2.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum)
             keep_alive = rows
         else:
             q, k, v = _operands(pb, xp)
@@ -497,11 +529,102 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
             )
             launches = backward_launches(pb, spec)
             if key is not None:
-                _BACKWARD_TEMPLATES.put(key, P.Template(bparams, _BACKWARD_POINTERS), launches, (q, k, v, dout, out),
-                                        operands)
+                _BACKWARD_TEMPLATES.put(key, _launch_plan(P.Template(bparams, _BACKWARD_POINTERS), launches,
+                                                          device_id, (q, k, v, dout, out), operands))
             block = bytearray(bparams.tobytes())
-        for launch in launches:
-            _run(launch, device_id, block)
+            for launch in launches:
+                _run(launch, device_id, block)
         dbias = finish_dbias() if finish_dbias is not None else None
         del keep_alive
     return dq, dk, dv, dbias, delta
+
+
+class CallPlan(NamedTuple):
+    """A planned call's work beyond its operands, for callers that key repeated calls on their
+    layout and options (``flashcupy.calls``): the results to allocate, contiguous, as (shape,
+    dtype, poisoned when :data:`poison_outputs` is set); a scratch block of ``scratch_bytes``
+    for the temporaries the caller never sees (one allocation, the parts at
+    ``scratch_offsets``); which operands to pass as fresh C-contiguous copies instead of
+    themselves; and the launches, whose pointers come in ``order`` from the operands, the
+    results, then the scratch parts (-1: a null pointer)."""
+
+    launches: LaunchPlan
+    results: tuple[tuple[tuple[int, ...], np.dtype, bool], ...]
+    scratch_bytes: int
+    scratch_offsets: tuple[int, ...]
+    copies: tuple[bool, ...]
+    order: tuple[int, ...]
+
+    def run(self, stream: int, pointers: list[int]) -> None:
+        """Queue the launches on ``stream`` with the addresses of the operands, the results and
+        the scratch parts."""
+        self.launches.run(stream, *[pointers[i] if i >= 0 else 0 for i in self.order])
+
+
+#: Where each part of a plan's scratch block starts: a multiple of this many bytes (the
+#: kernels read 16-byte vectors; 256 as the allocators' own blocks).
+SCRATCH_ALIGN = 256
+
+
+def _call_plan(plan: LaunchPlan | None, operands: int, results: list, scratch: list,
+               order: tuple[int, ...]) -> CallPlan | None:
+    """A CallPlan of ``operands`` operands (the plan's row operands first) over ``plan``, when
+    each operand it copied can be any C-contiguous copy; ``scratch``: the (shape, dtype) of
+    each temporary, laid out one after another in one block."""
+    if plan is None or any(c and not p for c, p in zip(plan.copied, plan.packed)):
+        return None
+    offsets, end = [], 0
+    for shape, dtype in scratch:
+        offsets.append(end)
+        end += -(-math.prod(shape) * np.dtype(dtype).itemsize // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    return CallPlan(plan, tuple(results), end, tuple(offsets), plan.copied + (False,) * (operands - len(plan.copied)),
+                    order)
+
+
+def _caller_shape(pb: Problem, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[1:] if pb.squeeze_head else shape
+
+
+def forward_plan(pb: Problem) -> CallPlan | None:
+    """The plan of :func:`forward` for calls laid out as ``pb`` (CuPy arrays): operands q, k,
+    v; results out and lse in the caller's shapes. None unless a forward of this layout ran
+    and kept its block (:func:`_layout_key`) with copies that any contiguous copy can stand for."""
+    device_id = pb.q.device.id
+    arch, smem_limit = device_limits(device_id)
+    try:
+        spec = select_forward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
+                              scores=score_set(pb))
+    except NoKernelError:  # the call ran on the CPU backend
+        return None
+    plan = _FORWARD_TEMPLATES.get(_layout_key(pb, device_id, (pb.q, pb.k, pb.v), spec))
+    results = [(_caller_shape(pb, pb.out_shape), pb.dtype, True),
+               (_caller_shape(pb, pb.lse_shape), accumulator_dtype(pb.dtype), True)]
+    return _call_plan(plan, 3, results, [], (0, 1, 2, 3, 4))
+
+
+def backward_plan(pb: Problem, dout: Any, out: Any, lse: Any, deterministic: bool) -> CallPlan | None:
+    """The plan of :func:`backward` (no dbias) for calls laid out as ``pb`` with these dout,
+    out (internal layout) and lse: operands q, k, v, dout, out, lse (contiguous, the
+    accumulator dtype); results dq, dk, dv in the caller's shapes; scratch delta, lse2 and
+    the fused dQ's accumulator where it is not dQ. None as in :func:`forward_plan`, or for
+    another lse."""
+    device_id = pb.q.device.id
+    arch, smem_limit = device_limits(device_id)
+    try:
+        spec = select_backward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
+                               deterministic=deterministic, scores=score_set(pb))
+    except NoKernelError:
+        return None
+    acc = accumulator_dtype(pb.dtype)
+    if lse.dtype != acc or not lse.flags.c_contiguous:
+        return None
+    plan = _BACKWARD_TEMPLATES.get(_layout_key(pb, device_id, (pb.q, pb.k, pb.v, dout, out), spec))
+    results = [(_caller_shape(pb, x.shape), pb.dtype, True) for x in (pb.q, pb.k, pb.v)]
+    scratch = [(pb.lse_shape, acc), (pb.lse_shape, acc)]
+    dq_accum = 6 if dq_is_accumulator(pb, spec) else -1  # dq itself, or none
+    if spec.fused_dq and dq_accum < 0:
+        scratch.append((pb.q.shape[:-1] + (-(-pb.head_dim // 2) * 2,), acc))  # zeroed by the delta kernel
+        dq_accum = 11
+    # operands q, k, v, dout, out, lse; results dq, dk, dv; scratch delta, lse2, dq_accum, in
+    # _BACKWARD_POINTERS' order: q, k, v, out, lse, dout, out, delta, lse2, dq, dk, dv, dq_accum
+    return _call_plan(plan, 6, results, scratch, (0, 1, 2, 4, 5, 3, 4, 9, 10, 6, 7, 8, dq_accum))

@@ -276,6 +276,20 @@ def kernel_args(block: bytearray) -> tuple[Any, int]:
     return (arg, args), ctypes.addressof(args)
 
 
+class KeptBlock:
+    """One thread's copy of a parameter block (:meth:`params.Template.buffer`) and the driver's
+    argument array over it, for kernels taking the block as their one by-value parameter:
+    launch with ``one``'s address (:func:`launch_ptr`). The driver copies the arguments at each
+    launch, so the thread's next call may refill the block at once."""
+
+    def __init__(self, template: Any) -> None:
+        import ctypes
+
+        self.block = template.buffer()
+        self._one = (ctypes.c_void_p * 1)(ctypes.addressof(self.block))
+        self.one = ctypes.addressof(self._one)
+
+
 def launch_ptr(function: int, grid: tuple[int, ...], threads: int, args: int, smem_bytes: int, stream: int) -> None:
     """Launch the CUfunction ``function`` on ``stream`` with the argument array at ``args``
     (:func:`kernel_args`), through the driver API: CuPy's own call wraps and converts each

@@ -20,7 +20,7 @@ import numpy as np
 from ..problem import Problem, accumulator_dtype
 from . import _dtype_name, _elem_strides, _empty, device_limits
 from . import params as P
-from .compile import get_function, launch_ptr
+from .compile import KeptBlock, get_function, launch_ptr
 from .spec import CXX_TYPE
 from .tensor_map import MAP_BYTES, TensorMapError, TiledLayout, strides_for
 
@@ -336,20 +336,15 @@ class DecodePlan:
 _NO_MAPS = (ctypes.c_char * (2 * MAP_BYTES))()
 
 
-class _Arguments:
+class _Arguments(KeptBlock):
     """One thread's DecodeParams block for a plan's launches (the plan's fixed fields written
-    once, the rest by each call) and the driver's argument arrays over it: ``one`` (the
-    block; the address to launch with) for the append, the CUDA-core split and the merge,
-    ``pair`` (the block, then the split's DecodeMaps) at ``pair_ptr`` for decode_split_mma.
-    The driver copies the arguments at each launch, so a thread's next call may refill them."""
+    once, the rest by each call): ``one`` for the append, the CUDA-core split and the merge,
+    and ``pair`` (the block, then the split's DecodeMaps) at ``pair_ptr`` for decode_split_mma."""
 
     def __init__(self, template: P.Template) -> None:
-        self.block = template.buffer()
-        address = ctypes.addressof(self.block)
-        self._one = (ctypes.c_void_p * 1)(address)
-        self.one = ctypes.addressof(self._one)
+        super().__init__(template)
         self.maps = _NO_MAPS  # the DecodeMaps block pair[1] points to, kept alive with it
-        self.pair = (ctypes.c_void_p * 2)(address, ctypes.addressof(self.maps))
+        self.pair = (ctypes.c_void_p * 2)(ctypes.addressof(self.block), ctypes.addressof(self.maps))
         self.pair_ptr = ctypes.addressof(self.pair)
 
 

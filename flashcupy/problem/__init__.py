@@ -21,7 +21,7 @@ One module per concern, each readable at once:
 
 from .arrays import DEVICE_ARRAY_OPTIONS, device_array, make_device_problem, make_host_problem
 from .backward import check_backward_arrays, check_device_backward_arrays, check_host_backward_arrays
-from .build import _signature, _validated, known_problem, make_problem
+from .build import _signature, _validated, known_problem, make_problem, option_signature
 from .layout import check_cu_seqlens, check_layout
 from .model import FLOAT_DTYPES, MAX_HEAD_DIM, Layout, Problem, Segment, accumulator_dtype, dtype_name, lse_dtype
 from .options import (
@@ -34,5 +34,5 @@ __all__ = [
     "Layout", "MAX_HEAD_DIM", "OPTION_DEFAULTS", "Problem", "Segment", "accumulator_dtype",
     "check_backward_arrays", "check_causal", "check_cu_seqlens", "check_device_backward_arrays", "check_dropout",
     "check_host_backward_arrays", "check_layout", "check_options", "check_window", "device_array", "dtype_name",
-    "known_problem", "lse_dtype", "make_device_problem", "make_host_problem", "make_problem",
+    "known_problem", "lse_dtype", "make_device_problem", "make_host_problem", "make_problem", "option_signature",
 ]

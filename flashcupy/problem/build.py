@@ -45,11 +45,18 @@ _NOT_AN_OPTION = object()
 
 def _signature(q: Any, k: Any, v: Any, options: dict[str, Any]) -> tuple | None:
     """Everything :func:`make_problem` reads of NumPy or CuPy arrays ``q``, ``k``, ``v`` and
-    ``options``: the arrays' shapes and dtypes, each option's name, value and type (a float's
-    sign too, as -0.0 == 0.0; a tuple's element types), or its bare name when it is None
-    (nothing when it is the very object of its default). None when an option is not plain
-    data (an array option given, a list, a NumPy scalar): such calls are validated in full."""
-    key: list[Any] = [q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype]
+    ``options``: the arrays' shapes and dtypes, then :func:`option_signature`. None when an
+    option is not plain data: such calls are validated in full."""
+    signed = option_signature(options)
+    return None if signed is None else (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, *signed)
+
+
+def option_signature(options: dict[str, Any]) -> tuple | None:
+    """Everything :func:`make_problem` reads of keyword ``options``: each option's name,
+    value and type (a float's sign too, as -0.0 == 0.0; a tuple's element types), or its bare
+    name when it is None (nothing when it is the very object of its default). None when an
+    option is not plain data (an array option given, a list, a NumPy scalar)."""
+    key: list[Any] = []
     for name, value in options.items():
         if value is None:  # most options of most calls: the bare name
             key.append(name)

@@ -1,0 +1,204 @@
+"""Repeated GPU calls without their host work: plans kept by a call's key.
+
+A model calls attention with the same shapes and options over and over. The first call of a
+layout takes the full path (validation, kernel choice, a packed parameter block); the CUDA
+backend then hands back that layout's plans (:class:`flashcupy.cuda.CallPlan`: the buffers
+to allocate and the launches over a kept parameter block), kept here under the call's key.
+A later call with the same key allocates its results, fills in its addresses and launches:
+nothing is validated or chosen again, because the key holds everything the full path read
+of the call but the arrays' contents and addresses: each operand's shape, strides, dtype and
+device and whether its address is 16-byte aligned, the options' signature
+(:func:`flashcupy.problem.option_signature`: names, types and values), and what the caller
+adds (its function, the deterministic flag). A key is only kept after its call passed
+validation, so an invalid call never finds one and raises on the full path as before.
+
+Not planned, so always on the full path: array options (masks, bias, ALiBi slopes,
+lengths, sinks, block masks, packed sequences, ``rng_state``), dropout (a call without a
+seed draws a new one), the CPU backend, and layouts whose row copies are not plain
+contiguous copies (rows padded to 16 bytes).
+
+One :class:`Kind` per array kind says how its arrays are keyed, allocated and launched on:
+:data:`CUPY` here, the torch tensors' kind in :mod:`flashcupy.torch`.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable
+
+import numpy as np
+
+from . import cuda
+from .problem import option_signature
+
+
+#: The scratch block's element type.
+_BYTE = np.dtype(np.uint8)
+
+
+class Kind:
+    """How one array kind is keyed, allocated and launched on (subclasses: CuPy, torch)."""
+
+    def layout(self, x: Any) -> tuple | None:
+        """What a key holds of an operand (shape, strides, dtype, device, 16-byte aligned
+        address), or None where the kind's plans do not take it (another kind, the host)."""
+        raise NotImplementedError
+
+    def current_device(self) -> int:
+        """The kind's current device, where plans launch."""
+        raise NotImplementedError
+
+    def stream(self, device: int) -> int:
+        """The CUDA stream handle the kind's work on ``device`` goes to now."""
+        raise NotImplementedError
+
+    def empty(self, shape: tuple[int, ...], dtype: Any, poisoned: bool, device: int) -> Any:
+        """A new contiguous array of a NumPy ``dtype`` on ``device``, NaN where ``poisoned``."""
+        raise NotImplementedError
+
+    def address(self, x: Any) -> int:
+        raise NotImplementedError
+
+    def copy(self, x: Any) -> Any:
+        """A C-contiguous copy of ``x`` in a new allocation (aligned as the allocator's blocks),
+        even where ``x`` is contiguous: a plan copies operands whose address is misaligned too."""
+        raise NotImplementedError
+
+
+class Planned:
+    """A validated call layout's forward plan and its backward plans by the layouts of
+    (dout, out, lse); ``context`` is the caller's (what its full path needs again)."""
+
+    def __init__(self, kind: Kind, device: int, forward: cuda.CallPlan, context: Any = None) -> None:
+        self.kind, self.device, self.forward_plan, self.context = kind, device, forward, context
+        self._backward: dict[tuple, cuda.CallPlan | None] = {}
+
+    def _run(self, plan: cuda.CallPlan, operands: tuple) -> list:
+        """Allocate the plan's results and scratch and queue its launches; returns the results."""
+        kind, device = self.kind, self.device
+        if True in plan.copies:
+            operands = tuple(kind.copy(x) if c else x for x, c in zip(operands, plan.copies))
+        poison = cuda.poison_outputs
+        results = [kind.empty(shape, dtype, poison and poisoned, device) for shape, dtype, poisoned in plan.results]
+        pointers = [kind.address(x) for x in (*operands, *results)]
+        if plan.scratch_bytes:
+            scratch = kind.empty((plan.scratch_bytes,), _BYTE, False, device)
+            base = kind.address(scratch)
+            pointers += [base + offset for offset in plan.scratch_offsets]
+        plan.run(kind.stream(device), pointers)
+        return results  # copies and scratch may go now: their memory serves only work queued after
+
+    def forward(self, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+        """(out, lse) of q, k, v laid out as the key says."""
+        out, lse = self._run(self.forward_plan, (q, k, v))
+        return out, lse
+
+    def backward_key(self, dout: Any, out: Any, lse: Any, *extra: Any) -> tuple | None:
+        """The key of a backward in this entry: the layouts of dout, out, lse and ``extra``
+        (what else its plan depends on); None where the kind's plans do not take them."""
+        layouts = (self.kind.layout(dout), self.kind.layout(out), self.kind.layout(lse))
+        return None if None in layouts else (*layouts, *extra)
+
+    def backward(self, key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> tuple | None:
+        """(dq, dk, dv) of the forward's q, k, v, out, lse and ``dout``, or None where no
+        backward of this ``key`` (:meth:`backward_key`) is planned (:meth:`learn_backward`)."""
+        plan = self._backward.get(key) if key is not None else None
+        if plan is None:
+            return None
+        dq, dk, dv = self._run(plan, (q, k, v, dout, out, lse))
+        return dq, dk, dv
+
+    def knows_backward(self, key: tuple | None) -> bool:
+        return key is None or key in self._backward
+
+    def learn_backward(self, key: tuple | None, plan: Callable[[], cuda.CallPlan | None]) -> None:
+        """Keep ``plan()`` (None: this layout stays on the full path) for ``key``, after a
+        full-path backward of that key ran: its block is kept by the CUDA backend."""
+        if key is not None and key not in self._backward:
+            if len(self._backward) >= 8:  # a model has one or two dout layouts a call site
+                self._backward.clear()
+            self._backward[key] = plan()
+
+
+class Calls:
+    """:class:`Planned` entries (or None: a layout left to the full path) by call key, at
+    most ``size``, the oldest going first."""
+
+    def __init__(self, kind: Kind, size: int = 256) -> None:
+        self.kind = kind
+        self._size = size
+        self._entries: dict[tuple, Planned | None] = {}
+        self._lock = threading.Lock()  # writers only: a lookup is one atomic dict.get
+
+    def key(self, q: Any, k: Any, v: Any, options: dict[str, Any], *extra: Any) -> tuple | None:
+        """A call's key, or None for calls that are never planned (see the module)."""
+        signed = option_signature(options)
+        if signed is None or options.get("dropout_p"):  # plain data first: an array's truth is an error
+            return None
+        layouts = (self.kind.layout(q), self.kind.layout(k), self.kind.layout(v))
+        return None if None in layouts else (*layouts, signed, *extra)
+
+    def get(self, key: tuple | None) -> Planned | None:
+        """The entry of ``key`` when it may run now (on the kind's current device)."""
+        found = self._entries.get(key) if key is not None else None
+        if found is None or found.device != self.kind.current_device():
+            return None
+        return found
+
+    def knows(self, key: tuple | None) -> bool:
+        return key is None or key in self._entries
+
+    def learn(self, key: tuple | None, device: int, plan: Callable[[], cuda.CallPlan | None], context: Any = None) -> None:
+        """Keep ``plan()``'s entry for ``key`` after a full-path call of that key ran on the GPU."""
+        if key is None or key in self._entries:
+            return
+        found = plan()
+        with self._lock:
+            if len(self._entries) >= self._size:
+                del self._entries[next(iter(self._entries))]
+            self._entries[key] = None if found is None else Planned(self.kind, device, found, context)
+
+
+class _CupyKind(Kind):
+    """CuPy arrays: CuPy's memory pool, its current device and stream."""
+
+    def __init__(self) -> None:
+        self._cupy: Any = None
+        self._ndarray: Any = None
+
+    def _module(self) -> Any:
+        if self._cupy is None:
+            import cupy
+
+            self._cupy = cupy
+        return self._cupy
+
+    def layout(self, x: Any) -> tuple | None:
+        ndarray = self._ndarray
+        if ndarray is None:  # no import: a CuPy array's caller has imported CuPy
+            ndarray = self._ndarray = getattr(sys.modules.get("cupy"), "ndarray", None)
+        if ndarray is None or type(x) is not ndarray:
+            return None
+        memory = x.data
+        return x.shape, x.strides, x.dtype, memory.device_id, memory.ptr % 16 == 0
+
+    def current_device(self) -> int:
+        return self._module().cuda.runtime.getDevice()
+
+    def stream(self, device: int) -> int:
+        return self._module().cuda.get_current_stream().ptr
+
+    def empty(self, shape: tuple[int, ...], dtype: Any, poisoned: bool, device: int) -> Any:
+        cupy = self._module()
+        return cupy.full(shape, float("nan"), dtype) if poisoned else cupy.empty(shape, dtype)
+
+    def address(self, x: Any) -> int:
+        return x.data.ptr
+
+    def copy(self, x: Any) -> Any:
+        return x.copy(order="C")
+
+
+#: Calls on CuPy arrays (flashcupy.api).
+CUPY = Calls(_CupyKind())
