@@ -77,32 +77,34 @@ def _run_forward(pb: Problem, backend: str):
     return out, lse
 
 
-def _forward(q: Any, k: Any, v: Any, options: dict[str, Any], key: tuple | None = None):
-    """(pb, out, lse) with out and lse in the caller's kind and layout; the forward's plan kept
-    for ``key`` (:mod:`flashcupy.calls`) when it ran on the GPU."""
-    pb, restore, backend, (out, lse) = _compute(q, k, v, options, _run_forward)
-    _learn_forward(key, pb, backend)
+def _forward(q: Any, k: Any, v: Any, options: dict[str, Any], prepared: tuple | None = None,
+             keys: tuple | None = None):
+    """(pb, out, lse) with out and lse in the caller's kind and layout; ``prepared`` as in
+    :func:`_compute` (a problem validated before the call); the forward's plans kept for
+    ``keys`` (:mod:`flashcupy.calls`) when it ran on the GPU."""
+    pb, restore, backend, (out, lse) = _compute(q, k, v, options, _run_forward, prepared)
+    _learn_forward(keys, pb, backend)
     return pb, restore(_squeeze(pb, out)), restore(_squeeze(pb, lse))
 
 
-def _learn_forward(key: tuple | None, pb: Problem, backend: str) -> None:
-    """Keep the plan of a forward that the full path ran (on the GPU) for CuPy calls of ``key``."""
-    if backend == "cuda" and not calls.CUPY.knows(key):
-        calls.CUPY.learn(key, pb.q.device.id, lambda: cuda.forward_plan(pb))
+def _learn_forward(keys: tuple | None, pb: Problem, backend: str) -> None:
+    """Keep the plans of a forward that the full path ran (on the GPU) for CuPy calls of ``keys``."""
+    if backend == "cuda":
+        calls.CUPY.learn(keys, pb.q.device.id, lambda: pb)
 
 
 def _backward_planned(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, options: dict[str, Any],
-                      deterministic: bool) -> tuple[calls.Planned | None, tuple | None, tuple | None]:
+                      deterministic: bool) -> tuple[Any, tuple | None, tuple | None]:
     """(the planned entry of a CuPy call's options, the backward's key in it, (dq, dk, dv)
     where that backward is planned, else None)."""
-    planned = calls.CUPY.get(calls.CUPY.key(q, k, v, options))
+    _, planned = calls.CUPY.find(q, k, v, options)
     if planned is None:
         return None, None, None
     key = planned.backward_key(dout, out, lse, deterministic)
     return planned, key, planned.backward(key, dout, q, k, v, out, lse)
 
 
-def _learn_backward(planned: calls.Planned | None, key: tuple | None, pb: Problem, backend: str, dout: Any, out: Any,
+def _learn_backward(planned: Any, key: tuple | None, pb: Problem, backend: str, dout: Any, out: Any,
                     lse: Any, deterministic: bool) -> None:
     """Keep the plan of a backward (no dbias) that the full path ran on the GPU in ``planned``."""
     if planned is not None and backend == "cuda" and not planned.knows_backward(key):
@@ -219,12 +221,11 @@ def flash_attention(
     """
     options = dict(locals())
     del options["q"], options["k"], options["v"]
-    key = calls.CUPY.key(q, k, v, options)
-    planned = calls.CUPY.get(key)
+    keys, planned = calls.CUPY.find(q, k, v, options)
     if planned is not None:
         out, lse = planned.forward(q, k, v)
         return (out, lse) if return_lse else out
-    pb, out, lse = _forward(q, k, v, _with_seed(options), key)
+    pb, out, lse = _forward(q, k, v, _with_seed(options), keys=keys)
     return (out, lse) if pb.return_lse else out
 
 
@@ -234,11 +235,10 @@ def flash_attention_forward(q: Any, k: Any, v: Any, **options: Any):
     Takes the keyword options of ``flash_attention``; ``seed`` (or ``rng_state``) is
     required when ``dropout_p > 0`` so that the backward can regenerate the mask.
     """
-    key = calls.CUPY.key(q, k, v, options)
-    planned = calls.CUPY.get(key)
+    keys, planned = calls.CUPY.find(q, k, v, options)
     if planned is not None:
         return planned.forward(q, k, v)
-    _, out, lse = _forward(q, k, v, _with_seed(options, required=True), key)
+    _, out, lse = _forward(q, k, v, _with_seed(options, required=True), keys=keys)
     return out, lse
 
 
@@ -309,13 +309,12 @@ def flash_attention_vjp(q: Any, k: Any, v: Any, **options: Any):
     ``rng_state`` is copied after the forward and the copy read by ``vjp``.
     ``return_lse=True`` makes the first result ``(out, lse)``.
     """
-    key = calls.CUPY.key(q, k, v, options)
-    planned = calls.CUPY.get(key)
-    if planned is not None:
+    keys, planned = calls.CUPY.find(q, k, v, options)
+    if isinstance(planned, calls.Planned):  # not a LengthPlanned: the full path plans the backward
         return _planned_vjp(planned, q, k, v, options)
     options = _with_seed(options)
     pb, restore, backend, (out, lse) = _compute(q, k, v, options, _run_forward)
-    _learn_forward(key, pb, backend)
+    _learn_forward(keys, pb, backend)
     if pb.rng_state is not None:
         # the forward's (seed, offset) for the vjp, whatever the caller writes into the array
         # after: on the GPU a device copy, queued (and captured in a CUDA graph) after the kernels

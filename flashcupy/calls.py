@@ -60,6 +60,13 @@ class Kind:
     def address(self, x: Any) -> int:
         raise NotImplementedError
 
+    def shape(self, x: Any) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def strides(self, x: Any) -> tuple[int, ...]:
+        """``x``'s strides in elements."""
+        raise NotImplementedError
+
     def copy(self, x: Any) -> Any:
         """A C-contiguous copy of ``x`` in a new allocation (aligned as the allocator's blocks),
         even where ``x`` is contiguous: a plan copies operands whose address is misaligned too."""
@@ -121,43 +128,105 @@ class Planned:
             self._backward[key] = plan()
 
 
+class LengthPlanned:
+    """A plain 4-D forward's :class:`flashcupy.cuda.LengthPlan`, for calls whose operands
+    differ from the planned call's only in their lengths and strides (a generation loop's
+    growing keys, batches of another length). Backwards are not planned here: they take the
+    full path (the exact key's entry plans them)."""
+
+    def __init__(self, kind: Kind, device: int, plan: cuda.LengthPlan, context: Any = None) -> None:
+        self.kind, self.device, self.plan, self.context = kind, device, plan, context
+
+    def takes(self, q: Any, k: Any, v: Any) -> bool:
+        kind = self.kind
+        return self.plan.takes(kind.shape(q), kind.shape(k), kind.shape(v), kind.strides(q), kind.strides(k),
+                               kind.strides(v))
+
+    def forward(self, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+        """(out, lse) of q, k, v that :meth:`takes`."""
+        kind, plan, device = self.kind, self.plan, self.device
+        shape = kind.shape(q)
+        poison = cuda.poison_outputs
+        out = kind.empty((*shape[:3], plan.head_dim_v), plan.dtype, poison, device)
+        lse = kind.empty(tuple(shape[:3]), plan.lse_dtype, poison, device)
+        address = kind.address
+        plan.run(kind.stream(device), (address(q), address(k), address(v), address(out), address(lse)), shape[2],
+                 kind.shape(k)[2], kind.strides(q), kind.strides(k), kind.strides(v))
+        return out, lse
+
+    def backward_key(self, *arrays: Any) -> None:
+        return None
+
+    def backward(self, key: None, *arrays: Any) -> None:
+        return None
+
+    def knows_backward(self, key: None) -> bool:
+        return True
+
+    def learn_backward(self, key: None, plan: Callable) -> None:
+        """Nothing: see the class."""
+
+
 class Calls:
-    """:class:`Planned` entries (or None: a layout left to the full path) by call key, at
-    most ``size``, the oldest going first."""
+    """Entries by call key (:class:`Planned`) and by length-free key (:class:`LengthPlanned`),
+    None for a key left to the full path; at most ``size`` of each, the oldest going first."""
 
     def __init__(self, kind: Kind, size: int = 256) -> None:
         self.kind = kind
         self._size = size
         self._entries: dict[tuple, Planned | None] = {}
+        self._lengths: dict[tuple, LengthPlanned | None] = {}
         self._lock = threading.Lock()  # writers only: a lookup is one atomic dict.get
 
-    def key(self, q: Any, k: Any, v: Any, options: dict[str, Any], *extra: Any) -> tuple | None:
-        """A call's key, or None for calls that are never planned (see the module)."""
+    def find(self, q: Any, k: Any, v: Any, options: dict[str, Any],
+             *extra: Any) -> tuple[tuple | None, Planned | LengthPlanned | None]:
+        """(the call's keys for :meth:`learn`, or None for calls never planned (see the module);
+        the entry that runs it now, or None). The length-free key holds each operand's layout
+        but its length and strides, for 4-D operands of calls without a window (a window is
+        clamped to the lengths when checked)."""
         signed = option_signature(options)
         if signed is None or options.get("dropout_p"):  # plain data first: an array's truth is an error
-            return None
-        layouts = (self.kind.layout(q), self.kind.layout(k), self.kind.layout(v))
-        return None if None in layouts else (*layouts, signed, *extra)
+            return None, None
+        kind = self.kind
+        layouts = (kind.layout(q), kind.layout(k), kind.layout(v))
+        if None in layouts:
+            return None, None
+        key = (*layouts, signed, *extra)
+        found: Any = self._entries.get(key)
+        lengths = None
+        if found is None and options.get("window") is None and all(len(x[0]) == 4 for x in layouts):
+            lengths = (*((x[0][0], x[0][1], x[0][3], *x[2:]) for x in layouts), signed, *extra)
+            found = self._lengths.get(lengths)
+            if found is not None and not found.takes(q, k, v):
+                found = None
+        if found is not None and found.device != kind.current_device():
+            found = None
+        return (key, lengths), found
 
-    def get(self, key: tuple | None) -> Planned | None:
-        """The entry of ``key`` when it may run now (on the kind's current device)."""
-        found = self._entries.get(key) if key is not None else None
-        if found is None or found.device != self.kind.current_device():
-            return None
-        return found
-
-    def knows(self, key: tuple | None) -> bool:
-        return key is None or key in self._entries
-
-    def learn(self, key: tuple | None, device: int, plan: Callable[[], cuda.CallPlan | None], context: Any = None) -> None:
-        """Keep ``plan()``'s entry for ``key`` after a full-path call of that key ran on the GPU."""
-        if key is None or key in self._entries:
+    def learn(self, keys: tuple | None, device: int, problem: Callable[[], Any], context: Any = None) -> None:
+        """After a full-path call with ``keys`` (from :meth:`find`) ran, keep the entries the
+        CUDA backend plans for it: ``problem()`` is its validated problem on device arrays, or
+        None where another backend ran it."""
+        if keys is None:
             return
-        found = plan()
+        key, lengths = keys
+        need_key, need_lengths = key not in self._entries, lengths is not None and lengths not in self._lengths
+        if not (need_key or need_lengths):
+            return
+        pb = problem()
+        plan = cuda.forward_plan(pb) if pb is not None and need_key else None
+        length_plan = cuda.length_plan(pb) if pb is not None and need_lengths else None
         with self._lock:
-            if len(self._entries) >= self._size:
-                del self._entries[next(iter(self._entries))]
-            self._entries[key] = None if found is None else Planned(self.kind, device, found, context)
+            if need_key:
+                self._keep(self._entries, key, plan and Planned(self.kind, device, plan, context))
+            if need_lengths:
+                self._keep(self._lengths, lengths, length_plan and LengthPlanned(self.kind, device, length_plan,
+                                                                                   context))
+
+    def _keep(self, table: dict, key: tuple, entry: Any) -> None:
+        if len(table) >= self._size:
+            del table[next(iter(table))]
+        table[key] = entry
 
 
 class _CupyKind(Kind):
@@ -195,6 +264,13 @@ class _CupyKind(Kind):
 
     def address(self, x: Any) -> int:
         return x.data.ptr
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        return x.shape
+
+    def strides(self, x: Any) -> tuple[int, ...]:
+        size = x.itemsize
+        return tuple(s // size for s in x.strides)
 
     def copy(self, x: Any) -> Any:
         return x.copy(order="C")

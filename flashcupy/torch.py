@@ -256,6 +256,12 @@ class _TorchKind(_calls.Kind):
     def address(self, x: torch.Tensor) -> int:
         return x.data_ptr()
 
+    def shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        return x.shape
+
+    def strides(self, x: torch.Tensor) -> tuple[int, ...]:
+        return x.stride()
+
     def copy(self, x: torch.Tensor) -> torch.Tensor:
         return x.clone(memory_format=torch.contiguous_format)
 
@@ -270,19 +276,20 @@ def _views(*tensors: torch.Tensor) -> list[Any]:
     return [_to_array(x) for x in tensors]
 
 
-def _forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any]) -> Any:
-    """The CUDA backend's plan of a forward that the full path ran with flashcupy's ``options``,
-    or None (another backend ran it, or the layout is not planned)."""
-    with _on_device(q.device):
-        arrays = _views(q, k, v)
-        if _api._backend(options.get("backend", "auto"), arrays[0]) != "cuda":
-            return None
-        return _cuda.forward_plan(_make_device_problem(*arrays, options))
+def _forward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any]) -> Any:
+    """The validated problem on CuPy views of a forward that the full path ran on the GPU with
+    flashcupy's ``options`` (for flashcupy.calls to plan, under :func:`_on_device`), or None
+    where another backend ran it."""
+    arrays = _views(q, k, v)
+    if _api._backend(options.get("backend", "auto"), arrays[0]) != "cuda":
+        return None
+    return _make_device_problem(*arrays, options)
 
 
 def _backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, options: dict[str, Any], deterministic: bool) -> Any:
-    """As :func:`_forward_plan`, for the backward (no dbias) of these tensors."""
+    """The CUDA backend's plan of the backward (no dbias) of these tensors, which the full
+    path just ran with flashcupy's ``options`` (planning may run it again)."""
     with _on_device(q.device):
         arrays = _views(q, k, v)
         pb = _make_device_problem(*arrays, options)
@@ -290,48 +297,75 @@ def _backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 class _PlannedAttention(torch.autograd.Function):
-    """A planned call (flashcupy.calls) under autograd: its forward plan, then its backward
-    plan for dout's layout (the full path the first time a layout comes, which plans it)."""
+    """A planned call (flashcupy.calls) under autograd, returning out: its forward plan, then
+    its backward plan for dout's layout (the full path the first time a layout comes, which
+    plans it). lse is kept on the context, not returned: a second output would cost the
+    engine a zero gradient for it at every backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, planned):
         out, lse = planned.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.planned = planned
+        ctx.save_for_backward(q, k, v, out)
+        ctx.lse, ctx.planned = lse, planned  # lse is no input or output: no reference cycle
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return (*_planned_gradients(ctx, dout), None)
+
+
+class _PlannedAttentionLse(torch.autograd.Function):
+    """:class:`_PlannedAttention` returning (out, lse), lse without a gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, planned):
+        out, lse = planned.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.lse, ctx.planned = lse, planned
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero gradient made for lse
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        planned = ctx.planned
-        key = planned.backward_key(dout, out, lse)
-        grads = planned.backward(key, dout, q, k, v, out, lse)
-        if grads is None:
-            tensors, scalars, deterministic = planned.context
-            grads = _backward_impl(dout, q, k, v, out, lse, tensors, scalars, False, deterministic)[:3]
-            if not planned.knows_backward(key):
-                planned.learn_backward(key, lambda: _backward_plan(dout, q, k, v, out, lse, _decode(tensors, scalars),
-                                                                   deterministic))
-        return (*grads, None)
+        if dout is None:
+            return None, None, None, None
+        return (*_planned_gradients(ctx, dout), None)
+
+
+def _planned_gradients(ctx, dout: torch.Tensor) -> tuple:
+    """(dq, dk, dv) of a planned forward's context."""
+    q, k, v, out = ctx.saved_tensors
+    lse, planned = ctx.lse, ctx.planned
+    key = planned.backward_key(dout, out, lse)
+    grads = planned.backward(key, dout, q, k, v, out, lse)
+    if grads is None:
+        tensors, scalars, deterministic = planned.context
+        grads = _backward_impl(dout, q, k, v, out, lse, tensors, scalars, False, deterministic)[:3]
+        if not planned.knows_backward(key):
+            planned.learn_backward(key, lambda: _backward_plan(dout, q, k, v, out, lse, _decode(tensors, scalars),
+                                                               deterministic))
+    return grads
 
 
 def _planned_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, deterministic: Any,
                   options: dict[str, Any]) -> tuple[tuple | None, Any]:
-    """(the call's key in _CALLS or None, its result where it is planned, else None)."""
+    """(the call's keys in _CALLS or None, its result where it is planned, else None)."""
     if torch.compiler.is_compiling() or not (deterministic is None or type(deterministic) is bool):
         return None, None
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    key = _CALLS.key(q, k, v, options, deterministic)
-    planned = _CALLS.get(key)
-    if planned is None:
-        return key, None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _PlannedAttention.apply(q, k, v, planned)
-    else:
-        out, lse = planned.forward(q, k, v)
-    return key, ((out, lse) if options.get("return_lse", False) else out)
+    keys, planned = _CALLS.find(q, k, v, options, deterministic)
+    if planned is None:  # q, k, v may be no tensors at all: the full path says so
+        return keys, None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if grad and isinstance(planned, _calls.LengthPlanned):  # the full path plans the backward
+        return keys, None
+    return_lse = options.get("return_lse", False)
+    if grad:
+        return keys, (_PlannedAttentionLse if return_lse else _PlannedAttention).apply(q, k, v, planned)
+    out, lse = planned.forward(q, k, v)
+    return keys, ((out, lse) if return_lse else out)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -618,9 +652,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     ``flashcupy::attention_backward`` (``torch.library.custom_op``, with fake
     functions), so ``torch.compile(fullgraph=True)`` traces through them.
     """
-    key = None
+    keys = None
     if bias is None and sinks is None:
-        key, result = _planned_call(q, k, v, deterministic, options)
+        keys, result = _planned_call(q, k, v, deterministic, options)
         if result is not None:
             return result
     _check_tensors(q, k, v, bias)
@@ -642,9 +676,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
     else:
         out, lse = _EagerAttention.apply(q, k, v, *(tensors[name] for name in _TENSOR_OPTIONS), scalars,
                                          deterministic)
-        if not _CALLS.knows(key):
-            _CALLS.learn(key, q.get_device(), lambda: _forward_plan(q, k, v, _decode(tensors, scalars)),
-                         (tensors, scalars, deterministic))
+        if keys is not None:
+            with _on_device(q.device):  # planning may run a forward: torch's allocator and stream
+                _CALLS.learn(keys, q.get_device(), lambda: _forward_problem(q, k, v, _decode(tensors, scalars)),
+                             (tensors, scalars, deterministic))
     return (out, lse) if return_lse else out
 
 

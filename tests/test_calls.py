@@ -35,6 +35,12 @@ class _Kind(calls.Kind):
     def address(self, x):
         return x.__array_interface__["data"][0]
 
+    def shape(self, x):
+        return x.shape
+
+    def strides(self, x):
+        return tuple(s // x.itemsize for s in x.strides)
+
     def copy(self, x):
         return np.array(x, order="C", copy=True)
 
@@ -53,53 +59,107 @@ def _arrays(shape=(2, 3, 5, 8), n=3):
     return [np.random.default_rng(i).standard_normal(shape).astype(np.float32) for i in range(n)]
 
 
+class _LengthPlan:
+    """A stand-in LengthPlan: takes lengths up to 64, records runs."""
+
+    head_dim_v, dtype, lse_dtype = 8, np.dtype(np.float32), np.dtype(np.float32)
+
+    def __init__(self) -> None:
+        self.runs: list[tuple] = []
+
+    def takes(self, q_shape, k_shape, v_shape, *strides):
+        return k_shape[2] == v_shape[2] <= 64 and all(s[3] == 1 for s in strides)
+
+    def run(self, stream, pointers, lq, lk, *strides):
+        self.runs.append((stream, pointers, lq, lk, strides))
+
+
+def _plans(monkeypatch, made: list) -> None:
+    """cuda.forward_plan and length_plan as stand-ins recording the problems they plan."""
+    plan = cuda.CallPlan(_Launches(), (((2, 3, 5, 8), np.dtype(np.float32), True),), 0, (), (False,) * 3,
+                         (0, 1, 2, 3))
+    monkeypatch.setattr(cuda, "forward_plan", lambda pb: made.append(("exact", pb)) or plan)
+    monkeypatch.setattr(cuda, "length_plan", lambda pb: made.append(("lengths", pb)) or _LengthPlan())
+
+
 def test_keys_leave_out_dropout_array_options_and_other_kinds() -> None:
     table = calls.Calls(_Kind())
     q, k, v = _arrays()
-    assert table.key(q, k, v, {"causal": True}) is not None
-    assert table.key(q, k, v, {"dropout_p": 0.1, "seed": 3}) is None
-    assert table.key(q, k, v, {"mask": np.ones((5, 5), bool)}) is None
-    assert table.key(q, k, v, {"scale": np.float64(0.5)}) is None  # not plain data: validated in full
-    assert table.key(q.tolist(), k, v, {}) is None
-    assert table.key(q, k, v, {"dropout_p": 0.0}) is not None
+    assert table.find(q, k, v, {"causal": True})[0] is not None
+    assert table.find(q, k, v, {"dropout_p": 0.1, "seed": 3}) == (None, None)
+    assert table.find(q, k, v, {"mask": np.ones((5, 5), bool)}) == (None, None)
+    assert table.find(q, k, v, {"scale": np.float64(0.5)}) == (None, None)  # not plain data: validated in full
+    assert table.find(q.tolist(), k, v, {}) == (None, None)
+    assert table.find(q, k, v, {"dropout_p": 0.0})[0] is not None
+    assert table.find(q, k, v, {"window": (2, 3)})[0][1] is None  # clamped to the lengths: exact keys only
+    assert table.find(q[0], k[0], v[0], {})[0][1] is None  # 3-D: exact keys only
 
 
 def test_keys_hold_layout_alignment_option_types_and_extras() -> None:
     table = calls.Calls(_Kind())
     q, k, v = _arrays()
-    base = table.key(q, k, v, {"causal": True}, False)
-    assert base == table.key(*_arrays(), {"causal": True}, False)
+
+    def keys(*arrays, options=None, extra=False):
+        return table.find(*arrays, {"causal": True} if options is None else options, extra)[0]
+
+    base = keys(q, k, v)
+    assert base == keys(*_arrays())
     different = [
-        table.key(q, k, v, {"causal": 1}, False),  # 1 == True, but only True validates
-        table.key(q, k, v, {"causal": True}, True),
-        table.key(q, k, v, {"scale": -0.0}, False),
-        table.key(np.asfortranarray(q), k, v, {"causal": True}, False),
-        table.key(q.astype(np.float64), k, v, {"causal": True}, False),
-        table.key(np.frombuffer(np.zeros(q.size * 4 + 4, np.uint8), np.float32, q.size, 4).reshape(q.shape), k, v,
-                  {"causal": True}, False),  # 4-byte aligned address
+        keys(q, k, v, options={"causal": 1}),  # 1 == True, but only True validates
+        keys(q, k, v, extra=True),
+        keys(q, k, v, options={"scale": -0.0}),
+        keys(q.astype(np.float64), k, v),
+        keys(np.frombuffer(np.zeros(q.size * 4 + 4, np.uint8), np.float32, q.size, 4).reshape(q.shape), k, v),
     ]
-    assert table.key(q, k, v, {"scale": 0.0}, False) != different[2]
+    assert keys(q, k, v, options={"scale": 0.0}) != different[2]
     assert len({base, *different}) == len(different) + 1
+    assert len({x[1] for x in [base, *different]}) == len(different) + 1  # the length-free keys too
+    longer = keys(*_arrays((2, 3, 9, 8)))
+    assert longer[0] != base[0] and longer[1] == base[1]  # another length: the same length-free key
+    assert keys(np.asfortranarray(q), k, v)[1] == base[1]  # strides: not in the length-free key
 
 
-def test_entries_are_kept_once_bounded_and_only_for_the_current_device() -> None:
+def test_entries_are_kept_once_bounded_and_only_for_the_current_device(monkeypatch) -> None:
+    made: list = []
+    _plans(monkeypatch, made)
     kind = _Kind()
     table = calls.Calls(kind, size=2)
     q, k, v = _arrays()
-    keys = [table.key(q, k, v, {"scale": s}) for s in (1.0, 2.0, 3.0)]
-    plan = cuda.CallPlan(_Launches(), (((2, 3, 5, 8), np.dtype(np.float32), True),), 0, (), (False,) * 3, (0, 1, 2, 3))
-    made = []
-    table.learn(keys[0], 0, lambda: made.append(0) or plan)
-    table.learn(keys[0], 0, lambda: made.append(1) or plan)
-    assert made == [0] and table.knows(keys[0]) and table.get(keys[0]).forward_plan is plan
+    found = [table.find(q, k, v, {"scale": s}) for s in (1.0, 2.0, 3.0)]
+    assert all(entry is None for _, entry in found)
+    table.learn(found[0][0], 0, lambda: "pb0")
+    table.learn(found[0][0], 0, lambda: "again")
+    assert made == [("exact", "pb0"), ("lengths", "pb0")]
+    entry = table.find(q, k, v, {"scale": 1.0})[1]
+    assert isinstance(entry, calls.Planned) and entry.device == 0
     kind.device = 1
-    assert table.get(keys[0]) is None  # a plan launches on its own device only
+    assert table.find(q, k, v, {"scale": 1.0})[1] is None  # a plan launches on its own device only
     kind.device = 0
-    table.learn(keys[1], 0, lambda: None)  # not planned: stays on the full path
-    assert table.knows(keys[1]) and table.get(keys[1]) is None
-    table.learn(keys[2], 0, lambda: plan)
-    assert not table.knows(keys[0]) and table.knows(keys[2])
-    assert table.get(None) is None and table.knows(None)
+    table.learn(found[1][0], 0, lambda: None)  # another backend ran it: left to the full path
+    assert table.find(q, k, v, {"scale": 2.0})[1] is None
+    table.learn(found[2][0], 0, lambda: "pb2")
+    assert table.find(q, k, v, {"scale": 1.0})[1] is None  # the oldest went
+    table.learn(None, 0, lambda: made.append("never"))
+    assert "never" not in made
+
+
+def test_other_lengths_run_the_length_plan_where_it_takes_them(monkeypatch) -> None:
+    _plans(monkeypatch, [])
+    kind = _Kind()
+    table = calls.Calls(kind)
+    q, k, v = _arrays()
+    table.learn(table.find(q, k, v, {"causal": True})[0], 0, lambda: "pb")
+    (q2,), (k2, v2) = _arrays((2, 3, 1, 8), n=1), _arrays((2, 3, 40, 8), n=2)
+    entry = table.find(q2, k2, v2, {"causal": True})[1]
+    assert isinstance(entry, calls.LengthPlanned)
+    out, lse = entry.forward(q2, k2, v2)
+    assert out.shape == (2, 3, 1, 8) and lse.shape == (2, 3, 1)
+    (stream, pointers, lq, lk, strides), = entry.plan.runs
+    assert pointers == tuple(kind.address(x) for x in (q2, k2, v2, out, lse)) and (lq, lk) == (1, 40)
+    assert strides == tuple(kind.strides(x) for x in (q2, k2, v2))
+    assert entry.backward(entry.backward_key(q2, out, lse), q2, q2, k2, v2, out, lse) is None
+    too_long = _arrays((2, 3, 65, 8), n=2)
+    assert table.find(q2, *too_long, {"causal": True})[1] is None  # the plan does not take it: the full path
 
 
 def test_a_planned_call_fills_pointers_in_plan_order_and_copies_what_it_must(monkeypatch) -> None:

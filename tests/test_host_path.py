@@ -380,6 +380,36 @@ def test_planned_cupy_calls_equal_the_full_path_and_skip_it(case, monkeypatch) -
     np.testing.assert_allclose(got_vjp[0].astype(np.float32), want_vjp[0].astype(np.float32), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.gpu
+def test_cupy_calls_of_other_lengths_take_the_length_plan(monkeypatch) -> None:
+    """flash_attention on CuPy arrays that differ from a planned call only in lengths and
+    strides runs the planned kernel without validation; results equal the full path's."""
+    cupy = pytest.importorskip("cupy")
+    import flashcupy as fc
+    from flashcupy import api, calls
+
+    table = calls.Calls(calls.CUPY.kind)
+    monkeypatch.setattr(cuda, "poison_outputs", True)
+    prepared = []
+    real_prepare = api._prepare
+    monkeypatch.setattr(api, "_prepare", lambda *a, **kw: prepared.append(1) or real_prepare(*a, **kw))
+    rs = np.random.default_rng(7)
+    cache = [cupy.asarray(rs.standard_normal((1, 4, 500, 128)).astype(BF16)) for _ in range(2)]
+    queries = cupy.asarray(rs.standard_normal((1, 500, 8, 128)).astype(BF16)).swapaxes(1, 2)
+    for n, length in enumerate((33, 34, 200, 499)):
+        q, k, v = queries[:, :, :length], cache[0][:, :, :length], cache[1][:, :, :length]
+        monkeypatch.setattr(calls, "CUPY", table)
+        got = fc.flash_attention(q, k, v, causal=True, return_lse=True)
+        assert len(prepared) == (1 if n == 0 else 0), f"length {length} was validated"
+        monkeypatch.setattr(calls, "CUPY", calls.Calls(calls.CUPY.kind))
+        want = fc.flash_attention(q, k, v, causal=True, return_lse=True)
+        prepared.clear()
+        for a, b in zip(got, want, strict=True):
+            a, b = a.get(), b.get()
+            assert a.shape == b.shape and not np.isnan(a.astype(np.float32)).any()
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"length {length}"
+
+
 def test_score_operands_reach_the_kernels_with_contiguous_aligned_rows() -> None:
     """Biases and masks whose keys are strided or broadcast, or whose rows are not 16-byte
     aligned, are copied once (their distinct elements, rows padded) and broadcast back: the

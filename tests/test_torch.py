@@ -633,9 +633,10 @@ def test_planned_calls_equal_the_full_path_and_skip_it(case, dout_kind, monkeypa
         full_calls.clear()
         runs.append(call())
         runs[-1].append(list(full_calls))
+    kept = (list(fct._CALLS._entries.values()), list(fct._CALLS._lengths.values()))
     assert runs[0][-1] == ["flash_attention_forward", "flash_attention_backward"]
-    assert runs[1][-1] == ["flash_attention_backward"]  # planned forward; its backward's first call plans it
-    assert runs[2][-1] == []
+    assert runs[1][-1] == ["flash_attention_backward"], kept  # planned forward; its backward's first call plans it
+    assert runs[2][-1] == [], kept
     for planned in runs[1:]:
         for got, want in zip(planned[:-1], runs[0][:-1], strict=True):
             assert got.shape == want.shape and got.dtype == want.dtype and got.device == want.device
@@ -657,6 +658,48 @@ def test_planned_calls_follow_the_options_and_grad_mode(monkeypatch) -> None:
         assert planned.grad_fn is None and torch.equal(planned, want)
     assert len(fct._CALLS._entries) == 4
     assert all(entry is not None for entry in fct._CALLS._entries.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_other_lengths_take_the_length_plan(dtype, monkeypatch) -> None:
+    """Calls whose q, k, v differ from a planned call's only in their lengths and strides (a
+    generation loop's keys, sliced from a static cache or concatenated; queries as (B, L, H, D)
+    views) run the planned kernel with their own lengths, strides and grid: outputs and lse
+    equal the full path's bit for bit, poisoned outputs are all written, and flashcupy's
+    forward runs once. Calls needing gradients take the full path (it plans their backward)."""
+    import flashcupy.cuda as fcuda
+
+    table = fct._calls.Calls(fct._TorchKind())
+    monkeypatch.setattr(fcuda, "poison_outputs", True)
+    full_calls = []
+    real = api.flash_attention_forward
+    monkeypatch.setattr(api, "flash_attention_forward", lambda *a, **kw: full_calls.append(1) or real(*a, **kw))
+
+    def attend(calls, *arrays, **options):
+        monkeypatch.setattr(fct, "_CALLS", calls)
+        return fct.flash_attention(*arrays, causal=True, return_lse=True, scale=0.2, **options)
+
+    k_cache, v_cache = (_randn((2, 2, 300, 64), dtype, device="cuda", seed=s, requires_grad=False) for s in (1, 2))
+    queries = _randn((2, 300, 8, 64), dtype, device="cuda", seed=3, requires_grad=False).transpose(1, 2)
+    steps = [(queries[:, :, n - 1:n], k_cache[:, :, :n], v_cache[:, :, :n]) for n in (17, 18, 100, 299)]
+    steps += [(queries[:, :, :n].contiguous(), torch.cat([k_cache[:, :, :n - 1], k_cache[:, :, n - 1:n]], 2),
+               v_cache[:, :, :n].contiguous()) for n in (5, 130)]
+    for n, (q, k, v) in enumerate(steps):
+        got = attend(table, q, k, v)
+        fresh = full_calls.copy()
+        want = attend(fct._calls.Calls(fct._TorchKind()), q, k, v)
+        assert len(fresh) == (1 if n == 0 else 0), f"step {n}: flashcupy's forward ran"
+        full_calls.clear()
+        if n:
+            assert isinstance(table.find(q, k, v, {"causal": True, "return_lse": True, "scale": 0.2}, False)[1],
+                              fct._calls.LengthPlanned)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype and not a.isnan().any()
+            assert torch.equal(a, b), f"step {n}"
+    q, k, v = (x.detach().clone().requires_grad_() for x in steps[2])
+    out, _ = attend(table, q, k, v)
+    assert full_calls == [1] and out.grad_fn is not None
 
 
 @pytest.mark.gpu

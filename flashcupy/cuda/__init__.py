@@ -18,7 +18,7 @@ import numpy as np
 from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
-from .compile import KeptBlock, get_function, launch_ptr
+from .compile import KeptBlock, bind_context, get_function, launch_ptr
 from .compile import launch as launch_block
 from .spec import (
     ROW_PASS_ROWS, ROW_PASS_THREADS, TILE_MAP_THREADS, BackwardSpec, KernelSpec, NoKernelError, ScoreSet, TileMap,
@@ -187,13 +187,18 @@ def forward_row_blocks(pb: Problem, spec: KernelSpec) -> int:
     return -(-pb.seqlen_q // spec.block_m)
 
 
+def _forward_blocks(seqlen_q: int, head_dim_v: int, spec: KernelSpec) -> int:
+    """The forward's grid x: row blocks (fastest) x Dv chunks."""
+    return -(-seqlen_q // spec.block_m) * -(-head_dim_v // spec.dv_tile)
+
+
 def forward_launches(pb: Problem, spec: KernelSpec, planes: tuple[int, int] | None = None) -> list[Launch]:
     """The forward's launches for a problem (none when it has no row or head): the tile map
     where masks are given, then the kernel: row blocks fastest in grid x, then Dv chunks;
     (batch, head) pairs over y and z. ``planes``: the tile map's (batch, head) planes where the
     problem's masks do not tell (explain's stand-ins), else from them."""
     heads = math.prod(pb.batch) * pb.num_heads_q
-    blocks = forward_row_blocks(pb, spec) * -(-pb.head_dim_v // spec.dv_tile)
+    blocks = _forward_blocks(pb.seqlen_q, pb.head_dim_v, spec)
     if not (heads and blocks):
         return []
     return [*(_map_launch(pb, m, planes) for m in spec.tile_maps if pb.seqlen_k),
@@ -339,6 +344,7 @@ class LaunchPlan:
         if kept is None:
             kept = self._local.kept = KeptBlock(self.template)
         self.template.fill_into(kept.block, *pointers)
+        bind_context()
         for function, grid, threads, smem_bytes in self._functions:
             launch_ptr(function, grid, threads, kept.one, smem_bytes, stream)
 
@@ -376,15 +382,21 @@ _FORWARD_TEMPLATES = _Templates()
 _BACKWARD_TEMPLATES = _Templates()
 
 
+def _points_to_operands_only(pb: Problem) -> bool:
+    """Whether a problem's blocks point to its operands, results and buffers only: no masks,
+    bias, ALiBi slopes, lengths, packed sequences or device rng_state."""
+    return not (pb.varlen or pb.mask is not None or pb.bias is not None or pb.block_mask is not None
+                or pb.alibi_slopes is not None or pb.q_lengths is not None or pb.kv_lengths is not None
+                or pb.rng_state is not None)
+
+
 def _layout_key(pb: Problem, device_id: int, operands: tuple, *extra: Any) -> tuple | None:
     """Everything a parameter block holds but its pointers: the device, the shapes and strides
     of the row ``operands`` (the outputs are allocated contiguous from the problem's shapes),
     the dtype and the options (the scale with its sign: -0.0 == 0.0), and ``extra``. None for
     problems whose blocks point to more arrays (masks, bias, ALiBi slopes, lengths, packed
     sequences, a device rng_state): those are packed for every launch."""
-    if (pb.varlen or pb.mask is not None or pb.bias is not None or pb.block_mask is not None
-            or pb.alibi_slopes is not None or pb.q_lengths is not None or pb.kv_lengths is not None
-            or pb.rng_state is not None):
+    if not _points_to_operands_only(pb):
         return None
     return (device_id, pb.dtype, pb.causal, pb.window, pb.scale, math.copysign(1.0, pb.scale), pb.softcap,
             pb.dropout_p, pb.seed, pb.dropout_offset, *[(x.shape, x.strides) for x in operands], *extra)
@@ -585,10 +597,24 @@ def _caller_shape(pb: Problem, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[1:] if pb.squeeze_head else shape
 
 
+def _kept_forward(pb: Problem, spec: KernelSpec, device_id: int) -> LaunchPlan | None:
+    """The kept LaunchPlan of ``pb``'s layout (None where the layout keeps none). A forward of
+    the layout ran just before, but its plan may be gone (the oldest of _FORWARD_TEMPLATES'
+    entries go) or was never put there (the call ran through a caller's plan, as the torch
+    path's full path may through flashcupy.calls' CuPy entries): one more forward keeps it."""
+    key = _layout_key(pb, device_id, (pb.q, pb.k, pb.v), spec)
+    plan = _FORWARD_TEMPLATES.get(key)
+    if plan is None and key is not None:
+        forward(pb)
+        plan = _FORWARD_TEMPLATES.get(key)
+    return plan
+
+
 def forward_plan(pb: Problem) -> CallPlan | None:
-    """The plan of :func:`forward` for calls laid out as ``pb`` (CuPy arrays): operands q, k,
-    v; results out and lse in the caller's shapes. None unless a forward of this layout ran
-    and kept its block (:func:`_layout_key`) with copies that any contiguous copy can stand for."""
+    """The plan of :func:`forward` for calls laid out as ``pb`` (CuPy arrays, on the current
+    device, with the caller's allocator: a forward may run here, :func:`_kept_forward`):
+    operands q, k, v; results out and lse in the caller's shapes. None where the layout keeps
+    no block (:func:`_layout_key`) or copies rows as no contiguous copy can stand for."""
     device_id = pb.q.device.id
     arch, smem_limit = device_limits(device_id)
     try:
@@ -596,7 +622,7 @@ def forward_plan(pb: Problem) -> CallPlan | None:
                               scores=score_set(pb))
     except NoKernelError:  # the call ran on the CPU backend
         return None
-    plan = _FORWARD_TEMPLATES.get(_layout_key(pb, device_id, (pb.q, pb.k, pb.v), spec))
+    plan = _kept_forward(pb, spec, device_id)
     results = [(_caller_shape(pb, pb.out_shape), pb.dtype, True),
                (_caller_shape(pb, pb.lse_shape), accumulator_dtype(pb.dtype), True)]
     return _call_plan(plan, 3, results, [], (0, 1, 2, 3, 4))
@@ -618,7 +644,11 @@ def backward_plan(pb: Problem, dout: Any, out: Any, lse: Any, deterministic: boo
     acc = accumulator_dtype(pb.dtype)
     if lse.dtype != acc or not lse.flags.c_contiguous:
         return None
-    plan = _BACKWARD_TEMPLATES.get(_layout_key(pb, device_id, (pb.q, pb.k, pb.v, dout, out), spec))
+    key = _layout_key(pb, device_id, (pb.q, pb.k, pb.v, dout, out), spec)
+    plan = _BACKWARD_TEMPLATES.get(key)
+    if plan is None and key is not None:  # as in _kept_forward
+        backward(pb, dout, out, lse, False, deterministic)
+        plan = _BACKWARD_TEMPLATES.get(key)
     results = [(_caller_shape(pb, x.shape), pb.dtype, True) for x in (pb.q, pb.k, pb.v)]
     scratch = [(pb.lse_shape, acc), (pb.lse_shape, acc)]
     dq_accum = 6 if dq_is_accumulator(pb, spec) else -1  # dq itself, or none
@@ -628,3 +658,67 @@ def backward_plan(pb: Problem, dout: Any, out: Any, lse: Any, deterministic: boo
     # operands q, k, v, dout, out, lse; results dq, dk, dv; scratch delta, lse2, dq_accum, in
     # _BACKWARD_POINTERS' order: q, k, v, out, lse, dout, out, delta, lse2, dq, dk, dv, dq_accum
     return _call_plan(plan, 6, results, scratch, (0, 1, 2, 4, 5, 3, 4, 9, 10, 6, 7, 8, dq_accum))
+
+
+#: The fields of a plain forward's block that follow its operands' lengths and strides.
+_FORWARD_SHAPED = ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_sr", "o_sb", "o_sh", "o_sr",
+                   "lse_sb", "lse_sh", "lq", "lk", "row_blocks")
+
+
+class LengthPlan:
+    """The forward of plain 4-D calls (one batch axis; no window, array option or dropout)
+    that differ from a planned one only in their lengths Lq, Lk and their strides: the same
+    kernel and block, with the pointers, strides, lengths and grid of each call. Callers
+    check each call's operands (:meth:`takes`); results are out (B, Hq, Lq, Dv) and lse
+    (B, Hq, Lq), contiguous."""
+
+    def __init__(self, plan: LaunchPlan, pb: Problem, spec: KernelSpec) -> None:
+        self.template = P.Template(plan.template.record, _FORWARD_POINTERS + _FORWARD_SHAPED)
+        (self._function, (_, self._grid_y, self._grid_z), self._threads, self._smem), = plan._functions
+        self._spec, self._hq, self.head_dim_v = spec, pb.num_heads_q, pb.head_dim_v
+        self.dtype, self.lse_dtype = pb.dtype, accumulator_dtype(pb.dtype)
+        self._vector = 16 // pb.dtype.itemsize  # elements of a 16-byte copy
+        self._local = threading.local()
+
+    def takes(self, q_shape: tuple, k_shape: tuple, v_shape: tuple, *strides: tuple) -> bool:
+        """Whether a call's operands (shapes, then the strides of q, k, v in elements) fit:
+        keys and values of one length, no empty length, unit last strides and the others
+        whole 16-byte vectors (the kernels' copies), lengths within int32."""
+        lq, lk = q_shape[2], k_shape[2]
+        if not (0 < lq < 2**31 and 0 < lk < 2**31 and v_shape[2] == lk):
+            return False
+        vector = self._vector
+        return all(s[3] == 1 and s[0] % vector == 0 and s[1] % vector == 0 and s[2] % vector == 0 for s in strides)
+
+    def run(self, stream: int, pointers: tuple, lq: int, lk: int, q_strides: tuple, k_strides: tuple,
+            v_strides: tuple) -> None:
+        """Queue the forward on ``stream``: ``pointers`` of q, k, v, out, lse; the strides of
+        q, k, v in elements (out and lse are contiguous)."""
+        kept = getattr(self._local, "kept", None)
+        if kept is None:
+            kept = self._local.kept = KeptBlock(self.template)
+        hq, dv = self._hq, self.head_dim_v
+        bind_context()
+        self.template.fill_into(kept.block, *pointers, *q_strides[:3], *k_strides[:3], *v_strides[:3],
+                                hq * lq * dv, lq * dv, dv, hq * lq, lq, lq, lk, -(-lq // self._spec.block_m))
+        launch_ptr(self._function, (_forward_blocks(lq, dv, self._spec), self._grid_y, self._grid_z), self._threads,
+                   kept.one, self._smem, stream)
+
+
+def length_plan(pb: Problem) -> LengthPlan | None:
+    """The :class:`LengthPlan` of a forward that ran (its block kept) for a plain 4-D problem
+    with a single launch and no row copies, or None."""
+    if (len(pb.batch) != 1 or pb.window is not None or pb.dropout_p > 0 or pb.seqlen_q == 0 or pb.seqlen_k == 0
+            or not _points_to_operands_only(pb)):
+        return None
+    device_id = pb.q.device.id
+    arch, smem_limit = device_limits(device_id)
+    try:
+        spec = select_forward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
+                              scores=score_set(pb))
+    except NoKernelError:
+        return None
+    plan = _kept_forward(pb, spec, device_id)
+    if plan is None or True in plan.copied or len(plan.launches) != 1:
+        return None
+    return LengthPlan(plan, pb, spec)

@@ -290,6 +290,17 @@ class KeptBlock:
         self.one = ctypes.addressof(self._one)
 
 
+def bind_context() -> None:
+    """Make the current device's primary context current on this thread where none is. The
+    driver's launches need one, and a thread that has made no CUDA runtime call yet has
+    none: autograd's device threads, a new thread whose calls all run kept plans. Any
+    runtime call binds it (cudaFree(0) is the customary one)."""
+    import cupy
+
+    if not cupy.cuda.driver.ctxGetCurrent():
+        cupy.cuda.runtime.free(0)
+
+
 def launch_ptr(function: int, grid: tuple[int, ...], threads: int, args: int, smem_bytes: int, stream: int) -> None:
     """Launch the CUfunction ``function`` on ``stream`` with the argument array at ``args``
     (:func:`kernel_args`), through the driver API: CuPy's own call wraps and converts each

@@ -20,7 +20,7 @@ import numpy as np
 from ..problem import Problem, accumulator_dtype
 from . import _dtype_name, _elem_strides, _empty, device_limits
 from . import params as P
-from .compile import KeptBlock, get_function, launch_ptr
+from .compile import KeptBlock, bind_context, get_function, launch_ptr
 from .spec import CXX_TYPE
 from .tensor_map import MAP_BYTES, TensorMapError, TiledLayout, strides_for
 
@@ -318,6 +318,7 @@ class DecodePlan:
             k.data.ptr if self.new else 0, v.data.ptr if self.new else 0,
             splits, split_keys, 0 if per_sequence else lengths)
         stream = cp.cuda.get_current_stream().ptr
+        bind_context()
         if self.new:
             launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, call.one, 0, stream)
         if self.rows:

@@ -129,6 +129,7 @@ class Template:
         """``record``: a block from :func:`pack`; ``names``: the scalar fields (pointers,
         counts) that ``fill_bytes`` takes, in its argument order (``"f.q"`` for a field of the
         nested block)."""
+        self.record = record
         self._bytes = record.tobytes()
         #: (byte offset, struct, argument positions) of each run of adjacent fields.
         self._runs: list[tuple[int, struct.Struct, list[int]]] = []
