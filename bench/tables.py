@@ -43,6 +43,7 @@ SOURCES: dict[str, list[str]] = {
                 "nvidia-h200-2026-11-28-options-softcap.json", "nvidia-h200-2026-11-28-options-dropout.json",
                 "nvidia-h200-2026-11-28-options-softcap-once.json"],
     "decode": ["nvidia-h200-2026-11-28-decode-tma.json"],
+    "overhead": ["nvidia-h200-2026-11-28-overhead-planned.json"],
     "cpu": ["cpu-2026-11-27.json"],
 }
 
@@ -99,8 +100,11 @@ def suite_of(data: dict[str, Any]) -> str:
 def rows_of(data: dict[str, Any]) -> list[dict[str, Any]]:
     """A file's measured rows in the suites' format (rows a system skipped or failed, which
     carry no figure, left out). CPU files written before it hold one row per length with
-    flashcupy's and naive NumPy's figures side by side (one head, forward)."""
+    flashcupy's and naive NumPy's figures side by side (one head, forward). In overhead files
+    SDPA's rows (torch tensors) are the baseline of the CuPy path's rows too."""
     rows = [r for r in data.get("rows", []) if "skipped" not in r and "failure" not in r]
+    if suite_of(data) == "overhead":
+        rows += [{**r, "path": "cupy"} for r in rows if r.get("system") == "sdpa" and r.get("path") == "torch"]
     if rows and "flashcupy_ms" in rows[0]:
         return [{"system": system, "mode": "fwd", "dtype": r["dtype"], "B": 1, "H": 1, "D": r["D"],
                  "causal": r["causal"], "threads": None, "L": r["L"], "ms": r[f"{prefix}_ms"],
