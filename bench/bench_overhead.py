@@ -8,8 +8,10 @@ Shapes (B, H, L, D): (1, 1, 128, 64), (1, 8, 512, 64), (4, 16, 1024, 128), float
 Paths: "cupy" (flashcupy.flash_attention on CuPy arrays; fwd+bwd is flash_attention_vjp and its
 vjp), "torch" (flashcupy.torch.flash_attention on torch tensors, autograd for the backward), and
 SDPA (system "sdpa": torch.nn.functional.scaled_dot_product_attention, whichever backend it
-picks) on the same torch tensors. Modes: fwd, and fwd+bwd (the forward and the gradients of q,
-k and v for a given dout).
+picks) on the same torch tensors; "graph" (GPU only, flashcupy's and SDPA's): the torch path's
+calls captured in a torch.cuda.CUDAGraph, GRAPH_CALLS back to back, the graph replayed: the
+kernels' own time with no host work. Modes: fwd, and fwd+bwd (the forward and the gradients of
+q, k and v for a given dout).
 
 What a row measures: ``us``, the wall time per call of ``--calls`` back-to-back calls with one
 synchronisation at the end, after ``--warmup`` calls; the median of ``--repeats`` such loops.
@@ -42,8 +44,10 @@ from typing import Any
 from bench_attention import RESULTS_DIR, add_run_arguments, git_commit, gpu_slug
 
 SHAPES = ((1, 1, 128, 64), (1, 8, 512, 64), (4, 16, 1024, 128))
-PATHS = ("cupy", "torch")
+PATHS = ("cupy", "torch", "graph")
 MODES = ("fwd", "fwd+bwd")
+#: Calls a "graph" row captures in one CUDA graph.
+GRAPH_CALLS = 20
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, str, tuple[int, int, int, int]]]:
@@ -52,10 +56,12 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, str, tuple[int, int, 
     for shape in SHAPES:
         for mode in MODES:
             for path in args.paths:
-                if path == "cupy" and args.device != "cuda":
+                if path in ("cupy", "graph") and args.device != "cuda":
                     continue
                 rows.append(("flashcupy", path, mode, shape))
             rows.append(("sdpa", "torch", mode, shape))
+            if "graph" in args.paths and args.device == "cuda":
+                rows.append(("sdpa", "graph", mode, shape))
     return rows
 
 
@@ -99,6 +105,26 @@ def attention_call(system: str, path: str, mode: str, shape: tuple[int, int, int
         return forward
     leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
     return lambda: torch.autograd.grad(attend(*leaves), leaves, dout)
+
+
+def graph_us(system: str, mode: str, shape: tuple[int, int, int, int], args: argparse.Namespace) -> float:
+    """us a call of the torch path's calls captured GRAPH_CALLS at a time in a CUDA graph and
+    replayed (the median of --repeats loops of replays, --calls calls each)."""
+    import torch
+
+    call = attention_call(system, "torch", mode, shape, "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compiled, planned and the allocator warm before the capture
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            call()
+    loops = argparse.Namespace(warmup=2, repeats=args.repeats, calls=max(1, args.calls // GRAPH_CALLS))
+    return per_call_us(graph.replay, torch.cuda.synchronize, loops) / GRAPH_CALLS
 
 
 def model_rows(device: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -183,7 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         doc["cupy"] = None
     for system, path, mode, shape in rows_plan:
-        us = per_call_us(attention_call(system, path, mode, shape, args.device), sync, args)
+        if path == "graph":
+            us = graph_us(system, mode, shape, args)
+        else:
+            us = per_call_us(attention_call(system, path, mode, shape, args.device), sync, args)
         row = {"system": system, "path": path, "mode": mode, **dict(zip("BHLD", shape)), "us": round(us, 1)}
         doc["rows"].append(row)
         print(f"{system:10s} {path:6s} {mode:8s} B={shape[0]} H={shape[1]} L={shape[2]} D={shape[3]}: {us:9.1f} us",

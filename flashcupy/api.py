@@ -346,7 +346,8 @@ def _planned_vjp(planned: calls.Planned, q: Any, k: Any, v: Any, options: dict[s
     def vjp(dout: Any):
         """(dq, dk, dv) for the gradient ``dout`` of out, (..., Hq, Lq, Dv)."""
         key = planned.backward_key(dout, out, lse, False)
-        grads = planned.backward(key, dout, q, k, v, out, lse)
+        here = planned.device == planned.kind.current_device()  # else the full path, on q's device
+        grads = planned.backward(key, dout, q, k, v, out, lse) if here else None
         return grads if grads is not None else flash_attention_backward(dout, q, k, v, out, lse, **options)
 
     return ((out, lse) if options.get("return_lse", False) else out), vjp

@@ -194,7 +194,7 @@ class Calls:
         key = (*layouts, signed, *extra)
         found: Any = self._entries.get(key)
         lengths = None
-        if found is None and options.get("window") is None and all(len(x[0]) == 4 for x in layouts):
+        if key not in self._entries and options.get("window") is None and all(len(x[0]) == 4 for x in layouts):
             lengths = (*((x[0][0], x[0][1], x[0][3], *x[2:]) for x in layouts), signed, *extra)
             found = self._lengths.get(lengths)
             if found is not None and not found.takes(q, k, v):
@@ -270,7 +270,7 @@ class _CupyKind(Kind):
 
     def strides(self, x: Any) -> tuple[int, ...]:
         size = x.itemsize
-        return tuple(s // size for s in x.strides)
+        return tuple(s // size if s % size == 0 else -1 for s in x.strides)  # -1: no plan takes it
 
     def copy(self, x: Any) -> Any:
         return x.copy(order="C")

@@ -235,7 +235,7 @@ class _TorchKind(_calls.Kind):
         if type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter:  # not subclasses (fake, distributed)
             return None
         device = x.get_device()
-        if device < 0 or x.dtype not in _PLANNED_DTYPES:
+        if device < 0 or x.dtype not in _PLANNED_DTYPES or x.is_neg():  # a negative view: resolved by a copy
             return None
         return x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16 == 0
 
@@ -320,8 +320,8 @@ class _PlannedAttentionLse(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, planned):
         out, lse = planned.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out)
-        ctx.lse, ctx.planned = lse, planned
+        ctx.save_for_backward(q, k, v, out, lse)  # the caller holds lse: changed in place, the backward says so
+        ctx.planned = planned
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero gradient made for lse
         return out, lse
@@ -334,9 +334,9 @@ class _PlannedAttentionLse(torch.autograd.Function):
 
 
 def _planned_gradients(ctx, dout: torch.Tensor) -> tuple:
-    """(dq, dk, dv) of a planned forward's context."""
-    q, k, v, out = ctx.saved_tensors
-    lse, planned = ctx.lse, ctx.planned
+    """(dq, dk, dv) of a planned forward's context (lse saved with the tensors, or kept on it)."""
+    q, k, v, out, *saved_lse = ctx.saved_tensors
+    lse, planned = saved_lse[0] if saved_lse else ctx.lse, ctx.planned
     key = planned.backward_key(dout, out, lse)
     grads = planned.backward(key, dout, q, k, v, out, lse)
     if grads is None:

@@ -237,11 +237,39 @@ def test_layout_key_covers_device_strides_dtype_and_options() -> None:
         key(q, k, v, dropout_p=0.1, seed=1), key(q, k, v, dropout_p=0.1, seed=2),
         key(q, k, v, dropout_p=0.1, seed=1, dropout_offset=4), key(*_arrays(q_shape=(2, 4, 9, 8))),
     ]
+    misaligned = np.frombuffer(np.zeros(q.size * 4 + 4, np.uint8), F32, q.size, 4).reshape(q.shape)
+    keys.append(key(misaligned, k, v))  # _rows copies q: the block holds the copy's strides
     assert None not in keys and len(set(keys)) == len(keys)
     assert key(q, k, v) == key(*_arrays(seed=5))  # other data, same layout
     for options in ({"mask": np.ones((5, 7), bool)}, {"bias": np.zeros((5, 7), F32)}, {"alibi_slopes": [1.0] * 4},
                     {"q_lengths": [5, 2]}, {"block_mask": np.ones((1, 1), bool), "block_size": 8}):
         assert key(q, k, v, **options) is None, options
+
+
+def test_rows_padded_to_16_bytes_are_never_planned() -> None:
+    """A row operand whose copy was padded (a head dim of 36 halves: rows of 72 -> 80 bytes)
+    is no plain contiguous copy: no CallPlan may pass a caller's own copy for it."""
+    from types import SimpleNamespace
+
+    def array(ptr, size, contiguous=True):
+        return SimpleNamespace(data=SimpleNamespace(ptr=ptr), size=size, flags=SimpleNamespace(c_contiguous=contiguous))
+
+    q, k, v = array(16, 720), array(2048, 720), array(4096, 720)
+    plain = cuda._launch_plan(None, [], 0, (array(8192, 720), k, v), (q, k, v))
+    padded = cuda._launch_plan(None, [], 0, (array(8192, 800), k, v), (q, k, v))
+    assert plain.copied == padded.copied == (True, False, False)
+    assert plain.packed == (True, False, False) and padded.packed == (False, False, False)
+    assert cuda._call_plan(plain, 3, [], [], (0, 1, 2)).copies == (True, False, False)
+    assert cuda._call_plan(padded, 3, [], [], (0, 1, 2)) is None
+
+
+def test_array_options_given_as_numbers_or_tuples_are_never_planned_or_cached() -> None:
+    """sinks=0.5 or a tuple of slopes are array options: validated in full every call (their
+    arrays are made then) and never a planned call's (sinks are folded in after the kernels)."""
+    for options in ({"sinks": 0.5}, {"sinks": (0.1, 0.2)}, {"alibi_slopes": 0.25}, {"bias": 1.0},
+                    {"q_lengths": 3}, {"kv_lengths": (2, 3)}):
+        assert problems.option_signature(options) is None, options
+    assert problems.option_signature({"sinks": None, "causal": True}) == ("sinks", ("causal", True, bool))
 
 
 # --------------------------------------------------------------------------- GPU

@@ -661,6 +661,37 @@ def test_planned_calls_follow_the_options_and_grad_mode(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
+def test_calls_the_plans_cannot_take_stay_on_the_full_path(monkeypatch) -> None:
+    """Rows padded to 16 bytes (fp16 D 36) and negative views (a complex tensor's conj().imag)
+    are copied by the full path in ways no plan repeats: every call takes it, with the same
+    results; an lse changed in place after a planned call makes the backward raise."""
+    import flashcupy.cuda as fcuda
+
+    monkeypatch.setattr(fct, "_CALLS", fct._calls.Calls(fct._TorchKind()))
+    monkeypatch.setattr(fcuda, "poison_outputs", True)
+    full_calls = []
+    real = api.flash_attention_forward
+    monkeypatch.setattr(api, "flash_attention_forward", lambda *a, **kw: full_calls.append(1) or real(*a, **kw))
+    q, k, v = (_randn((2, 2, 64, 36), torch.float16, device="cuda", seed=s) for s in (11, 12, 13))
+    negative = torch.randn((2, 2, 64, 32), dtype=torch.complex64, device="cuda").conj().imag
+    k32, v32 = (_randn((2, 2, 64, 32), torch.float32, device="cuda", seed=s, requires_grad=False) for s in (14, 15))
+    for arrays, resolved in (((q, k, v), (q, k, v)), ((negative, k32, v32), (negative.resolve_neg(), k32, v32))):
+        want = fct.flash_attention(*(x.detach().contiguous() for x in resolved))
+        full_calls.clear()
+        for _ in range(3):
+            assert torch.equal(fct.flash_attention(*arrays), want)
+        assert len(full_calls) == 3
+    q, k, v = (_randn((1, 2, 64, 64), torch.float16, device="cuda", seed=s) for s in (16, 17, 18))
+    full_calls.clear()
+    for _ in range(2):
+        out, lse = fct.flash_attention(q, k, v, return_lse=True)
+    assert full_calls == [1]  # the second call was planned
+    lse.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_other_lengths_take_the_length_plan(dtype, monkeypatch) -> None:
     """Calls whose q, k, v differ from a planned call's only in their lengths and strides (a

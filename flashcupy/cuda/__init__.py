@@ -344,7 +344,7 @@ class LaunchPlan:
         if kept is None:
             kept = self._local.kept = KeptBlock(self.template)
         self.template.fill_into(kept.block, *pointers)
-        bind_context()
+        bind_context(self.device_id)
         for function, grid, threads, smem_bytes in self._functions:
             launch_ptr(function, grid, threads, kept.one, smem_bytes, stream)
 
@@ -354,7 +354,8 @@ def _launch_plan(template: P.Template, launches: list[Launch], device_id: int, r
     """The plan of a call's block and launches; ``rows``: its row operands as :func:`_rows`
     made them from ``operands``."""
     copied = tuple(r.data.ptr != x.data.ptr for r, x in zip(rows, operands))
-    packed = tuple(c and r.flags.c_contiguous for c, r in zip(copied, rows))
+    # a plain copy: C-contiguous and no larger (rows padded to 16 bytes hold more elements)
+    packed = tuple(c and r.flags.c_contiguous and r.size == x.size for c, r, x in zip(copied, rows, operands))
     return LaunchPlan(template, launches, device_id, copied, packed)
 
 
@@ -392,14 +393,16 @@ def _points_to_operands_only(pb: Problem) -> bool:
 
 def _layout_key(pb: Problem, device_id: int, operands: tuple, *extra: Any) -> tuple | None:
     """Everything a parameter block holds but its pointers: the device, the shapes and strides
-    of the row ``operands`` (the outputs are allocated contiguous from the problem's shapes),
+    of the row ``operands`` and whether their addresses are 16-byte aligned (which decides
+    what :func:`_rows` copies; the outputs are allocated contiguous from the problem's shapes),
     the dtype and the options (the scale with its sign: -0.0 == 0.0), and ``extra``. None for
     problems whose blocks point to more arrays (masks, bias, ALiBi slopes, lengths, packed
     sequences, a device rng_state): those are packed for every launch."""
     if not _points_to_operands_only(pb):
         return None
     return (device_id, pb.dtype, pb.causal, pb.window, pb.scale, math.copysign(1.0, pb.scale), pb.softcap,
-            pb.dropout_p, pb.seed, pb.dropout_offset, *[(x.shape, x.strides) for x in operands], *extra)
+            pb.dropout_p, pb.seed, pb.dropout_offset, *[(x.shape, x.strides, _address(x) % 16 == 0) for x in operands],
+            *extra)
 
 
 def _template_rows(pb: Problem, operands: tuple, cached: LaunchPlan | None, xp) -> list | None:
@@ -449,18 +452,27 @@ def forward(pb: Problem) -> tuple[Any, Any]:
             cached.run(xp.cuda.get_current_stream().ptr, *(x.data.ptr for x in rows), out.data.ptr, lse.data.ptr)
             keep_alive = rows
         else:
-            q, k, v = _operands(pb, xp)
-            params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp,
-                                                 row_blocks=forward_row_blocks(pb, spec), maps=spec.tile_maps)
-            launches = forward_launches(pb, spec)
-            if key is not None:
-                _FORWARD_TEMPLATES.put(key, _launch_plan(P.Template(params, _FORWARD_POINTERS), launches, device_id,
-                                                         (q, k, v), operands))
-            block = bytearray(params.tobytes())
+            block, launches, keep_alive = _pack_forward(pb, spec, device_id, key, out, lse, xp)
             for launch in launches:
                 _run(launch, device_id, block)
         del keep_alive  # safe: memory CuPy frees now is reused only by work queued after this launch
     return out, lse
+
+
+def _pack_forward(pb: Problem, spec: KernelSpec, device_id: int, key: tuple | None, out: Any, lse: Any,
+                  xp) -> tuple[bytearray, list[Launch], list]:
+    """(the parameter block of a forward into ``out`` and ``lse``, its launches, the device
+    arrays the block points into), its plan kept under ``key`` (:func:`_layout_key`) when
+    there is one. Runs nothing."""
+    operands = (pb.q, pb.k, pb.v)
+    q, k, v = _operands(pb, xp)
+    params, keep_alive = _problem_params(pb, q, k, v, _merged(pb, out, xp), lse, xp,
+                                         row_blocks=forward_row_blocks(pb, spec), maps=spec.tile_maps)
+    launches = forward_launches(pb, spec)
+    if key is not None:
+        _FORWARD_TEMPLATES.put(key, _launch_plan(P.Template(params, _FORWARD_POINTERS), launches, device_id,
+                                                 (q, k, v), operands))
+    return bytearray(params.tobytes()), launches, [*keep_alive, q, k, v]
 
 
 def _dbias_buffer(pb: Problem, deterministic: bool, xp):
@@ -601,11 +613,16 @@ def _kept_forward(pb: Problem, spec: KernelSpec, device_id: int) -> LaunchPlan |
     """The kept LaunchPlan of ``pb``'s layout (None where the layout keeps none). A forward of
     the layout ran just before, but its plan may be gone (the oldest of _FORWARD_TEMPLATES'
     entries go) or was never put there (the call ran through a caller's plan, as the torch
-    path's full path may through flashcupy.calls' CuPy entries): one more forward keeps it."""
+    path's full path may through flashcupy.calls' CuPy entries): then it is packed again,
+    with results allocated for their strides and nothing run."""
     key = _layout_key(pb, device_id, (pb.q, pb.k, pb.v), spec)
     plan = _FORWARD_TEMPLATES.get(key)
     if plan is None and key is not None:
-        forward(pb)
+        import cupy as xp
+
+        with xp.cuda.Device(device_id):
+            _pack_forward(pb, spec, device_id, key, xp.empty(pb.out_shape, pb.dtype),
+                          xp.empty(pb.lse_shape, accumulator_dtype(pb.dtype)), xp)
         plan = _FORWARD_TEMPLATES.get(key)
     return plan
 
@@ -615,6 +632,8 @@ def forward_plan(pb: Problem) -> CallPlan | None:
     device, with the caller's allocator: a forward may run here, :func:`_kept_forward`):
     operands q, k, v; results out and lse in the caller's shapes. None where the layout keeps
     no block (:func:`_layout_key`) or copies rows as no contiguous copy can stand for."""
+    if pb.sinks is not None:  # folded in after the kernels (flashcupy/sinks.py): not a plan's work
+        return None
     device_id = pb.q.device.id
     arch, smem_limit = device_limits(device_id)
     try:
@@ -633,7 +652,9 @@ def backward_plan(pb: Problem, dout: Any, out: Any, lse: Any, deterministic: boo
     out (internal layout) and lse: operands q, k, v, dout, out, lse (contiguous, the
     accumulator dtype); results dq, dk, dv in the caller's shapes; scratch delta, lse2 and
     the fused dQ's accumulator where it is not dQ. None as in :func:`forward_plan`, or for
-    another lse."""
+    another lse or sinks."""
+    if pb.sinks is not None:
+        return None
     device_id = pb.q.device.id
     arch, smem_limit = device_limits(device_id)
     try:
@@ -676,6 +697,7 @@ class LengthPlan:
         self.template = P.Template(plan.template.record, _FORWARD_POINTERS + _FORWARD_SHAPED)
         (self._function, (_, self._grid_y, self._grid_z), self._threads, self._smem), = plan._functions
         self._spec, self._hq, self.head_dim_v = spec, pb.num_heads_q, pb.head_dim_v
+        self.device_id = plan.device_id
         self.dtype, self.lse_dtype = pb.dtype, accumulator_dtype(pb.dtype)
         self._vector = 16 // pb.dtype.itemsize  # elements of a 16-byte copy
         self._local = threading.local()
@@ -698,7 +720,7 @@ class LengthPlan:
         if kept is None:
             kept = self._local.kept = KeptBlock(self.template)
         hq, dv = self._hq, self.head_dim_v
-        bind_context()
+        bind_context(self.device_id)
         self.template.fill_into(kept.block, *pointers, *q_strides[:3], *k_strides[:3], *v_strides[:3],
                                 hq * lq * dv, lq * dv, dv, hq * lq, lq, lq, lk, -(-lq // self._spec.block_m))
         launch_ptr(self._function, (_forward_blocks(lq, dv, self._spec), self._grid_y, self._grid_z), self._threads,
@@ -709,7 +731,7 @@ def length_plan(pb: Problem) -> LengthPlan | None:
     """The :class:`LengthPlan` of a forward that ran (its block kept) for a plain 4-D problem
     with a single launch and no row copies, or None."""
     if (len(pb.batch) != 1 or pb.window is not None or pb.dropout_p > 0 or pb.seqlen_q == 0 or pb.seqlen_k == 0
-            or not _points_to_operands_only(pb)):
+            or pb.sinks is not None or not _points_to_operands_only(pb)):
         return None
     device_id = pb.q.device.id
     arch, smem_limit = device_limits(device_id)

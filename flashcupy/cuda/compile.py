@@ -290,15 +290,15 @@ class KeptBlock:
         self.one = ctypes.addressof(self._one)
 
 
-def bind_context() -> None:
-    """Make the current device's primary context current on this thread where none is. The
+def bind_context(device_id: int) -> None:
+    """Make ``device_id``'s primary context current on this thread where none is. The
     driver's launches need one, and a thread that has made no CUDA runtime call yet has
-    none: autograd's device threads, a new thread whose calls all run kept plans. Any
-    runtime call binds it (cudaFree(0) is the customary one)."""
+    none: autograd's device threads, a new thread whose calls all run kept plans.
+    cudaSetDevice binds it (callers launch on their current device, so it is that one)."""
     import cupy
 
     if not cupy.cuda.driver.ctxGetCurrent():
-        cupy.cuda.runtime.free(0)
+        cupy.cuda.runtime.setDevice(device_id)
 
 
 def launch_ptr(function: int, grid: tuple[int, ...], threads: int, args: int, smem_bytes: int, stream: int) -> None:

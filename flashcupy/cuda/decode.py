@@ -318,7 +318,7 @@ class DecodePlan:
             k.data.ptr if self.new else 0, v.data.ptr if self.new else 0,
             splits, split_keys, 0 if per_sequence else lengths)
         stream = cp.cuda.get_current_stream().ptr
-        bind_context()
+        bind_context(self.device_id)
         if self.new:
             launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, call.one, 0, stream)
         if self.rows:

@@ -63,10 +63,12 @@ def option_signature(options: dict[str, Any]) -> tuple | None:
             continue
         if value is OPTION_DEFAULTS.get(name, _NOT_AN_OPTION):  # validates as if left out
             continue
+        if name in _ARRAY_OPTION_NAMES:  # given as an array, a number or a tuple: validated in full
+            return None
         kind = type(value)
         if kind is float:
             key.append((name, value, kind, math.copysign(1.0, value)))
-        elif kind in _PLAIN_TYPES and name not in _ARRAY_OPTION_NAMES:
+        elif kind in _PLAIN_TYPES:
             key.append((name, value, kind))
         elif kind is tuple and all(type(x) in _PLAIN_TYPES for x in value):
             key.append((name, value, kind, tuple(type(x) for x in value)))
