@@ -9,13 +9,18 @@ nothing is validated or chosen again, because the key holds everything the full 
 of the call but the arrays' contents and addresses: each operand's shape, strides, dtype and
 device and whether its address is 16-byte aligned, the options' signature
 (:func:`flashcupy.problem.option_signature`: names, types and values), and what the caller
-adds (its function, the deterministic flag). A key is only kept after its call passed
-validation, so an invalid call never finds one and raises on the full path as before.
+adds (the deterministic flag). A key is only kept after its call passed validation, so an
+invalid call never finds one and raises on the full path as before.
+
+A second table holds 4-D calls by a key without their lengths and strides
+(:class:`flashcupy.cuda.LengthPlan`, forward only): a call that differs from a planned one
+only there runs the same kernel with its own lengths, strides and grid, after a check of its
+strides. Generation loops, whose keys grow by one every call, plan once.
 
 Not planned, so always on the full path: array options (masks, bias, ALiBi slopes,
-lengths, sinks, block masks, packed sequences, ``rng_state``), dropout (a call without a
-seed draws a new one), the CPU backend, and layouts whose row copies are not plain
-contiguous copies (rows padded to 16 bytes).
+lengths, sinks, block masks, packed sequences, ``rng_state``) in any form, dropout (a call
+without a seed draws a new one), the CPU backend, layouts whose row copies are not plain
+contiguous copies (rows padded to 16 bytes), and torch's negative views.
 
 One :class:`Kind` per array kind says how its arrays are keyed, allocated and launched on:
 :data:`CUPY` here, the torch tensors' kind in :mod:`flashcupy.torch`.

@@ -26,6 +26,9 @@ Data path:
   tensors' device (at forward time; the backward runs on the stream autograd
   gives it, which is the forward's), so the call orders with the surrounding
   torch work like any torch operator.
+- A CUDA call laid out like an earlier one, without bias, sinks, other array options or
+  dropout, runs the plan kept after that call (flashcupy.calls): its results from torch's
+  allocator and its launches, with no validation and no CuPy view.
 - CPU tensors are viewed as NumPy arrays (no copy; bfloat16 through an int16
   view, as ``ml_dtypes.bfloat16``) and take the path NumPy arrays take in
   ``flashcupy.flash_attention``: with ``backend="auto"`` that is the GPU when one
