@@ -575,7 +575,9 @@ def test_decode_parameter_template_packs_like_pack():
                  v_sr=9, bt_sb=40)
     filled = {name: 4096 + 16 * i for i, name in enumerate(_FILLED)}
     filled.update(splits=3, split_keys=64, keys_all=77)
-    block = _template(tuple(fixed.items())).fill_bytes(*filled.values())
+    template = _template(tuple(fixed.items()))
+    block = template.buffer()
+    template.fill_into(block, *filled.values())
     assert bytes(block) == P.pack(P.DECODE_PARAMS_DTYPE, **fixed, **filled).tobytes()
 
 

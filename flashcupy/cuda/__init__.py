@@ -314,7 +314,7 @@ def score_set(pb: Problem) -> ScoreSet:
                        softcap=pb.softcap is not None, dropout=pb.dropout_p > 0)
 
 
-#: The pointer fields a forward template fills, in the order :meth:`~params.Template.fill_bytes` takes them.
+#: The pointer fields a forward template fills, in the order :meth:`~params.Template.fill_into` takes them.
 _FORWARD_POINTERS = ("q", "k", "v", "o", "lse")
 #: The same for the backward block: the forward's, then those of the gradients and buffers.
 _BACKWARD_POINTERS = ("f.q", "f.k", "f.v", "f.o", "f.lse", "dout", "out", "delta", "lse2", "dq", "dk", "dv",

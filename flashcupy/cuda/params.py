@@ -121,14 +121,14 @@ class Template:
     """A packed block whose named fields are rewritten for each launch, the rest kept.
 
     For calls whose every other field is the same (same shapes, strides and options),
-    ``fill_bytes`` costs a copy of the bytes and one ``struct.pack_into`` per run of adjacent
+    :meth:`fill_into` a kept :meth:`buffer` costs one ``struct.pack_into`` per run of adjacent
     fields instead of packing every field again.
     """
 
     def __init__(self, record: np.void, names: Sequence[str]) -> None:
         """``record``: a block from :func:`pack`; ``names``: the scalar fields (pointers,
-        counts) that ``fill_bytes`` takes, in its argument order (``"f.q"`` for a field of the
-        nested block)."""
+        counts) that :meth:`fill_into` takes, in its argument order (``"f.q"`` for a field of
+        the nested block)."""
         self.record = record
         self._bytes = record.tobytes()
         #: (byte offset, struct, argument positions) of each run of adjacent fields.
@@ -142,15 +142,9 @@ class Template:
                 self._runs.append((run[0][0], struct.Struct(fmt), [i for _, _, i in run]))
                 start = n + 1
 
-    def fill_bytes(self, *values: Any) -> bytearray:
-        """The block's bytes with the named fields set to ``values`` (in the constructor's order)."""
-        buf = bytearray(self._bytes)
-        self.fill_into(buf, *values)
-        return buf
-
     def fill_into(self, buf: Any, *values: Any) -> None:
         """Set the named fields of ``buf``, a writable buffer holding this block (its other
-        fields as :meth:`fill_bytes` leaves them), to ``values``."""
+        fields as :meth:`buffer` made them), to ``values`` (in the constructor's order)."""
         for offset, packer, order in self._runs:
             packer.pack_into(buf, offset, *[values[i] for i in order])
 
