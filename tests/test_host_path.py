@@ -267,6 +267,43 @@ def test_rows_padded_to_16_bytes_are_never_planned() -> None:
     assert cuda._call_plan(padded, 3, [], [], (0, 1, 2)) is None
 
 
+def test_forward_plans_are_the_kept_blocks_of_their_layout(monkeypatch) -> None:
+    """forward_plan hands a caller the kept block of the problem's layout with the results in
+    the caller's shapes; none where no kernel fits, with sinks, or for a block with copies no
+    caller can repeat."""
+    from types import SimpleNamespace
+
+    from flashcupy.cuda.spec import NoKernelError
+
+    host = make_host_problem(*_arrays(), {"backend": "cpu"})
+
+    def device_array(x, ptr):
+        return SimpleNamespace(shape=x.shape, strides=x.strides, device=SimpleNamespace(id=0),
+                               data=SimpleNamespace(ptr=ptr))
+
+    pb = dataclasses.replace(host, q=device_array(host.q, 256), k=device_array(host.k, 512),
+                             v=device_array(host.v, 1024))
+    templates = cuda._Templates()
+    monkeypatch.setattr(cuda, "_FORWARD_TEMPLATES", templates)
+    monkeypatch.setattr(cuda, "_forward_spec", lambda pb, device_id: "spec")
+    key = cuda._layout_key(pb, 0, (pb.q, pb.k, pb.v), "spec")
+    kept = cuda.LaunchPlan(P.Template(P.pack(), cuda._FORWARD_POINTERS), [], 0, (False,) * 3, (False,) * 3)
+    templates.put(key, kept)
+    plan = cuda.forward_plan(pb)
+    assert plan.launches is kept and plan.copies == (False,) * 3 and plan.order == (0, 1, 2, 3, 4)
+    assert [(shape, dtype) for shape, dtype, _ in plan.results] == [((2, 4, 5, 6), F32), ((2, 4, 5), F32)]
+    assert cuda.length_plan(pb) is None  # one launch only: this block has none
+    assert cuda.forward_plan(dataclasses.replace(pb, sinks=np.zeros(4))) is None
+    templates.put(key, cuda.LaunchPlan(kept.template, [], 0, (True, False, False), (False, False, False)))
+    assert cuda.forward_plan(pb) is None  # q was copied as no caller can repeat (padded rows)
+
+    def no_kernel(pb, device_id):
+        raise NoKernelError("none fits")
+
+    monkeypatch.setattr(cuda, "_forward_spec", no_kernel)
+    assert cuda.forward_plan(pb) is None and cuda.length_plan(pb) is None
+
+
 def test_array_options_given_as_numbers_or_tuples_are_never_planned_or_cached() -> None:
     """sinks=0.5 or a tuple of slopes are array options: validated in full every call (their
     arrays are made then) and never a planned call's (sinks are folded in after the kernels)."""

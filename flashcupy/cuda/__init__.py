@@ -428,6 +428,20 @@ def _template_rows(pb: Problem, operands: tuple, cached: LaunchPlan | None, xp) 
     return rows
 
 
+def _forward_spec(pb: Problem, device_id: int) -> KernelSpec:
+    """The forward kernel of a problem on ``device_id`` (NoKernelError where none fits)."""
+    arch, smem_limit = device_limits(device_id)
+    return select_forward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
+                          scores=score_set(pb))
+
+
+def _backward_spec(pb: Problem, device_id: int, deterministic: bool) -> BackwardSpec:
+    """The backward kernels of a problem on ``device_id`` (NoKernelError where none fits)."""
+    arch, smem_limit = device_limits(device_id)
+    return select_backward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
+                           deterministic=deterministic, scores=score_set(pb))
+
+
 def forward(pb: Problem) -> tuple[Any, Any]:
     """(out, lse) of a problem on CuPy arrays, in the problem's internal layout.
 
@@ -439,9 +453,7 @@ def forward(pb: Problem) -> tuple[Any, Any]:
 
     device_id = pb.q.device.id
     with xp.cuda.Device(device_id):
-        arch, smem_limit = device_limits(device_id)
-        spec = select_forward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
-                              scores=score_set(pb))
+        spec = _forward_spec(pb, device_id)
         out = _empty(pb.out_shape, pb.dtype, xp)
         lse = _empty(pb.lse_shape, accumulator_dtype(pb.dtype), xp)
         operands = (pb.q, pb.k, pb.v)
@@ -506,9 +518,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
 
     device_id = pb.q.device.id
     with xp.cuda.Device(device_id):
-        arch, smem_limit = device_limits(device_id)
-        spec = select_backward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
-                               deterministic=deterministic, scores=score_set(pb))
+        spec = _backward_spec(pb, device_id, deterministic)
         acc = accumulator_dtype(pb.dtype)
         lse = xp.ascontiguousarray(lse, dtype=acc)
         delta, lse2 = xp.empty(pb.lse_shape, dtype=acc), xp.empty(pb.lse_shape, dtype=acc)
@@ -609,12 +619,18 @@ def _caller_shape(pb: Problem, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[1:] if pb.squeeze_head else shape
 
 
-def _kept_forward(pb: Problem, spec: KernelSpec, device_id: int) -> LaunchPlan | None:
-    """The kept LaunchPlan of ``pb``'s layout (None where the layout keeps none). A forward of
+def _kept_forward(pb: Problem) -> tuple[LaunchPlan | None, KernelSpec | None]:
+    """(the kept LaunchPlan of ``pb``'s layout, its kernel), (None, None) where no kernel fits
+    (the call ran on the CPU backend), a None plan where the layout keeps none. A forward of
     the layout ran just before, but its plan may be gone (the oldest of _FORWARD_TEMPLATES'
     entries go) or was never put there (the call ran through a caller's plan, as the torch
     path's full path may through flashcupy.calls' CuPy entries): then it is packed again,
     with results allocated for their strides and nothing run."""
+    device_id = pb.q.device.id
+    try:
+        spec = _forward_spec(pb, device_id)
+    except NoKernelError:
+        return None, None
     key = _layout_key(pb, device_id, (pb.q, pb.k, pb.v), spec)
     plan = _FORWARD_TEMPLATES.get(key)
     if plan is None and key is not None:
@@ -624,7 +640,7 @@ def _kept_forward(pb: Problem, spec: KernelSpec, device_id: int) -> LaunchPlan |
             _pack_forward(pb, spec, device_id, key, xp.empty(pb.out_shape, pb.dtype),
                           xp.empty(pb.lse_shape, accumulator_dtype(pb.dtype)), xp)
         plan = _FORWARD_TEMPLATES.get(key)
-    return plan
+    return plan, spec
 
 
 def forward_plan(pb: Problem) -> CallPlan | None:
@@ -634,14 +650,7 @@ def forward_plan(pb: Problem) -> CallPlan | None:
     no block (:func:`_layout_key`) or copies rows as no contiguous copy can stand for."""
     if pb.sinks is not None:  # folded in after the kernels (flashcupy/sinks.py): not a plan's work
         return None
-    device_id = pb.q.device.id
-    arch, smem_limit = device_limits(device_id)
-    try:
-        spec = select_forward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
-                              scores=score_set(pb))
-    except NoKernelError:  # the call ran on the CPU backend
-        return None
-    plan = _kept_forward(pb, spec, device_id)
+    plan, _ = _kept_forward(pb)
     results = [(_caller_shape(pb, pb.out_shape), pb.dtype, True),
                (_caller_shape(pb, pb.lse_shape), accumulator_dtype(pb.dtype), True)]
     return _call_plan(plan, 3, results, [], (0, 1, 2, 3, 4))
@@ -656,10 +665,8 @@ def backward_plan(pb: Problem, dout: Any, out: Any, lse: Any, deterministic: boo
     if pb.sinks is not None:
         return None
     device_id = pb.q.device.id
-    arch, smem_limit = device_limits(device_id)
     try:
-        spec = select_backward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
-                               deterministic=deterministic, scores=score_set(pb))
+        spec = _backward_spec(pb, device_id, deterministic)
     except NoKernelError:
         return None
     acc = accumulator_dtype(pb.dtype)
@@ -733,14 +740,7 @@ def length_plan(pb: Problem) -> LengthPlan | None:
     if (len(pb.batch) != 1 or pb.window is not None or pb.dropout_p > 0 or pb.seqlen_q == 0 or pb.seqlen_k == 0
             or pb.sinks is not None or not _points_to_operands_only(pb)):
         return None
-    device_id = pb.q.device.id
-    arch, smem_limit = device_limits(device_id)
-    try:
-        spec = select_forward(_dtype_name(pb.dtype), pb.head_dim, pb.head_dim_v, arch, smem_limit, pb.allow_tf32,
-                              scores=score_set(pb))
-    except NoKernelError:
-        return None
-    plan = _kept_forward(pb, spec, device_id)
+    plan, spec = _kept_forward(pb)
     if plan is None or True in plan.copied or len(plan.launches) != 1:
         return None
     return LengthPlan(plan, pb, spec)
