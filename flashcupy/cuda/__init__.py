@@ -645,7 +645,7 @@ def _kept_forward(pb: Problem) -> tuple[LaunchPlan | None, KernelSpec | None]:
 
 def forward_plan(pb: Problem) -> CallPlan | None:
     """The plan of :func:`forward` for calls laid out as ``pb`` (CuPy arrays, on the current
-    device, with the caller's allocator: a forward may run here, :func:`_kept_forward`):
+    device, with the caller's allocator: the block may be packed again, :func:`_kept_forward`):
     operands q, k, v; results out and lse in the caller's shapes. None where the layout keeps
     no block (:func:`_layout_key`) or copies rows as no contiguous copy can stand for."""
     if pb.sinks is not None:  # folded in after the kernels (flashcupy/sinks.py): not a plan's work
@@ -674,7 +674,7 @@ def backward_plan(pb: Problem, dout: Any, out: Any, lse: Any, deterministic: boo
         return None
     key = _layout_key(pb, device_id, (pb.q, pb.k, pb.v, dout, out), spec)
     plan = _BACKWARD_TEMPLATES.get(key)
-    if plan is None and key is not None:  # as in _kept_forward
+    if plan is None and key is not None:  # gone or never put, as in _kept_forward: one more backward keeps it
         backward(pb, dout, out, lse, False, deterministic)
         plan = _BACKWARD_TEMPLATES.get(key)
     results = [(_caller_shape(pb, x.shape), pb.dtype, True) for x in (pb.q, pb.k, pb.v)]
