@@ -40,6 +40,8 @@ from .problem import option_signature
 
 #: The scratch block's element type.
 _BYTE = np.dtype(np.uint8)
+#: A key no table holds.
+_UNKNOWN = object()
 
 
 class Kind:
@@ -197,13 +199,15 @@ class Calls:
         if None in layouts:
             return None, None
         key = (*layouts, signed, *extra)
-        found: Any = self._entries.get(key)
+        found: Any = self._entries.get(key, _UNKNOWN)
         lengths = None
-        if key not in self._entries and options.get("window") is None and all(len(x[0]) == 4 for x in layouts):
-            lengths = (*((x[0][0], x[0][1], x[0][3], *x[2:]) for x in layouts), signed, *extra)
-            found = self._lengths.get(lengths)
-            if found is not None and not found.takes(q, k, v):
-                found = None
+        if found is _UNKNOWN:  # a key that is kept, as None too, decides without the length table
+            found = None
+            if options.get("window") is None and all(len(x[0]) == 4 for x in layouts):
+                lengths = (*((x[0][0], x[0][1], x[0][3], *x[2:]) for x in layouts), signed, *extra)
+                found = self._lengths.get(lengths)
+                if found is not None and not found.takes(q, k, v):
+                    found = None
         if found is not None and found.device != kind.current_device():
             found = None
         return (key, lengths), found

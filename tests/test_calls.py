@@ -161,6 +161,10 @@ def test_other_lengths_run_the_length_plan_where_it_takes_them(monkeypatch) -> N
     assert entry.backward(entry.backward_key(q2, out, lse), q2, q2, k2, v2, out, lse) is None
     too_long = _arrays((2, 3, 65, 8), n=2)
     assert table.find(q2, *too_long, {"causal": True})[1] is None  # the plan does not take it: the full path
+    monkeypatch.setattr(cuda, "forward_plan", lambda pb: None)  # this layout left to the full path
+    keys, _ = table.find(q2, k2, v2, {"causal": True})
+    table.learn((keys[0], None), 0, lambda: "pb")
+    assert table.find(q2, k2, v2, {"causal": True}) == ((keys[0], None), None)  # the length table not asked
 
 
 def test_a_planned_call_fills_pointers_in_plan_order_and_copies_what_it_must(monkeypatch) -> None:
