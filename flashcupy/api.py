@@ -107,7 +107,7 @@ def _backward_planned(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, opt
 def _learn_backward(planned: Any, key: tuple | None, pb: Problem, backend: str, dout: Any, out: Any,
                     lse: Any, deterministic: bool) -> None:
     """Keep the plan of a backward (no dbias) that the full path ran on the GPU in ``planned``."""
-    if planned is not None and backend == "cuda" and not planned.knows_backward(key):
+    if planned is not None and backend == "cuda":
         planned.learn_backward(key, lambda: cuda.backward_plan(pb, *check_device_backward_arrays(pb, dout, out, lse),
                                                                 deterministic))
 

@@ -294,8 +294,9 @@ def _backward_plan(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """The CUDA backend's plan of the backward (no dbias) of these tensors, which the full
     path just ran with flashcupy's ``options`` (planning may run it again)."""
     with _on_device(q.device):
-        arrays = _views(q, k, v)
-        pb = _make_device_problem(*arrays, options)
+        pb = _forward_problem(q, k, v, options)
+        if pb is None:
+            return None
         return _cuda.backward_plan(pb, *_check_device_backward_arrays(pb, *_views(dout, out, lse)), deterministic)
 
 
@@ -345,9 +346,8 @@ def _planned_gradients(ctx, dout: torch.Tensor) -> tuple:
     if grads is None:
         tensors, scalars, deterministic = planned.context
         grads = _backward_impl(dout, q, k, v, out, lse, tensors, scalars, False, deterministic)[:3]
-        if not planned.knows_backward(key):
-            planned.learn_backward(key, lambda: _backward_plan(dout, q, k, v, out, lse, _decode(tensors, scalars),
-                                                               deterministic))
+        planned.learn_backward(key, lambda: _backward_plan(dout, q, k, v, out, lse, _decode(tensors, scalars),
+                                                           deterministic))
     return grads
 
 
@@ -680,7 +680,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: 
         out, lse = _EagerAttention.apply(q, k, v, *(tensors[name] for name in _TENSOR_OPTIONS), scalars,
                                          deterministic)
         if keys is not None:
-            with _on_device(q.device):  # planning may run a forward: torch's allocator and stream
+            with _on_device(q.device):  # planning may pack a block again: torch's allocator and stream
                 _CALLS.learn(keys, q.get_device(), lambda: _forward_problem(q, k, v, _decode(tensors, scalars)),
                              (tensors, scalars, deterministic))
     return (out, lse) if return_lse else out

@@ -250,6 +250,21 @@ def test_layout_key_covers_device_strides_dtype_and_options() -> None:
         assert key(q, k, v, **options) is None, options
 
 
+def test_each_thread_fills_its_own_kept_block() -> None:
+    import threading
+
+    from flashcupy.cuda.compile import KeptBlock, ThreadBlocks
+
+    blocks = ThreadBlocks(P.Template(P.pack(), cuda._FORWARD_POINTERS))
+    mine = blocks.get()
+    assert isinstance(mine, KeptBlock) and blocks.get() is mine
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append(blocks.get()))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not mine and bytes(theirs[0].block) == bytes(mine.block) == P.pack().tobytes()
+
+
 def test_rows_padded_to_16_bytes_are_never_planned() -> None:
     """A row operand whose copy was padded (a head dim of 36 halves: rows of 72 -> 80 bytes)
     is no plain contiguous copy: no CallPlan may pass a caller's own copy for it."""

@@ -18,7 +18,7 @@ import numpy as np
 from .. import rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
-from .compile import KeptBlock, bind_context, get_function, launch_ptr
+from .compile import ThreadBlocks, bind_context, get_function, launch_ptr
 from .compile import launch as launch_block
 from .spec import (
     ROW_PASS_ROWS, ROW_PASS_THREADS, TILE_MAP_THREADS, BackwardSpec, KernelSpec, NoKernelError, ScoreSet, TileMap,
@@ -335,14 +335,12 @@ class LaunchPlan:
         self.copied, self.packed = copied, packed
         self._functions = tuple((get_function(x.family, x.name, device_id, x.smem_bytes).kernel.ptr, x.grid,
                                  x.threads, x.smem_bytes) for x in launches)
-        self._local = threading.local()
+        self._blocks = ThreadBlocks(template)
 
     def run(self, stream: int, *pointers: int) -> None:
         """Queue the launches on ``stream`` (a CUDA stream handle) with the template's
         pointer fields set to ``pointers``; the current device must be the plan's."""
-        kept = getattr(self._local, "kept", None)
-        if kept is None:
-            kept = self._local.kept = KeptBlock(self.template)
+        kept = self._blocks.get()
         self.template.fill_into(kept.block, *pointers)
         bind_context(self.device_id)
         for function, grid, threads, smem_bytes in self._functions:
@@ -707,7 +705,7 @@ class LengthPlan:
         self.device_id = plan.device_id
         self.dtype, self.lse_dtype = pb.dtype, accumulator_dtype(pb.dtype)
         self._vector = 16 // pb.dtype.itemsize  # elements of a 16-byte copy
-        self._local = threading.local()
+        self._blocks = ThreadBlocks(self.template)
 
     def takes(self, q_shape: tuple, k_shape: tuple, v_shape: tuple, *strides: tuple) -> bool:
         """Whether a call's operands (shapes, then the strides of q, k, v in elements) fit:
@@ -723,9 +721,7 @@ class LengthPlan:
             v_strides: tuple) -> None:
         """Queue the forward on ``stream``: ``pointers`` of q, k, v, out, lse; the strides of
         q, k, v in elements (out and lse are contiguous)."""
-        kept = getattr(self._local, "kept", None)
-        if kept is None:
-            kept = self._local.kept = KeptBlock(self.template)
+        kept = self._blocks.get()
         hq, dv = self._hq, self.head_dim_v
         bind_context(self.device_id)
         self.template.fill_into(kept.block, *pointers, *q_strides[:3], *k_strides[:3], *v_strides[:3],

@@ -290,6 +290,21 @@ class KeptBlock:
         self.one = ctypes.addressof(self._one)
 
 
+class ThreadBlocks:
+    """Each thread's :class:`KeptBlock` (or ``kind``, a subclass) of one template, made on the
+    thread's first call: threads fill their own blocks, so concurrent calls never share one."""
+
+    def __init__(self, template: Any, kind: type = KeptBlock) -> None:
+        self._template, self._kind = template, kind
+        self._local = threading.local()
+
+    def get(self) -> Any:
+        kept = getattr(self._local, "kept", None)
+        if kept is None:
+            kept = self._local.kept = self._kind(self._template)
+        return kept
+
+
 def bind_context(device_id: int) -> None:
     """Make ``device_id``'s primary context current on this thread where none is. The
     driver's launches need one, and a thread that has made no CUDA runtime call yet has

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ import numpy as np
 from ..problem import Problem, accumulator_dtype
 from . import _dtype_name, _elem_strides, _empty, device_limits
 from . import params as P
-from .compile import KeptBlock, bind_context, get_function, launch_ptr
+from .compile import KeptBlock, ThreadBlocks, bind_context, get_function, launch_ptr
 from .spec import CXX_TYPE
 from .tensor_map import MAP_BYTES, TensorMapError, TiledLayout, strides_for
 
@@ -206,8 +205,6 @@ class DecodePlan:
         #: Tensor maps of the caches by their addresses (TMA kernels; else a zero block).
         self._maps: dict[tuple[int, int], Any] = {}
         self._map_layouts: list[TiledLayout] = []  # the K and V caches' shapes, as the driver takes them
-        #: Each thread's parameter block and the driver's argument arrays over it (_Arguments).
-        self._local = threading.local()
         #: splits() by (most keys, num_splits).
         self._splits: dict[tuple[int, int], tuple[int, int]] = {}
         if self.copies == "tma":
@@ -241,6 +238,8 @@ class DecodePlan:
         fields["window_left"] = -1 if left is None else min(left, 2**31 - 1)
         fields["window_right"] = -1 if right is None else min(right, 2**31 - 1)
         self.template = _template(tuple(fields.items()))
+        #: Each thread's parameter block and the driver's argument arrays over it (_Arguments).
+        self._arguments = ThreadBlocks(self.template, _Arguments)
 
     def maps(self, k_cache: Any, v_cache: Any) -> Any:
         """The split kernel's DecodeMaps block for these caches (a ctypes array): their tensor
@@ -308,9 +307,7 @@ class DecodePlan:
         lse_part = o_part + splits * self.rows * self.dv * item
         lse_ptr = lse.data.ptr if lse is not None else lse_part + splits * self.rows * item
         per_sequence = not isinstance(lengths, int)
-        call = getattr(self._local, "arguments", None)
-        if call is None:
-            call = self._local.arguments = _Arguments(self.template)
+        call = self._arguments.get()
         self.template.fill_into(
             call.block, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths.data.ptr if per_sequence else 0,
             0 if table is None else table.data.ptr, 0 if alibi is None else alibi.data.ptr,
