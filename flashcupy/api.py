@@ -70,8 +70,11 @@ def _squeeze(pb: Problem, x):
 
 def _run_forward(pb: Problem, backend: str):
     """(out, lse) in the problem's internal layout, from the backend that holds its arrays,
-    with the sinks folded in (flashcupy/sinks.py: the kernels run as without them)."""
-    out, lse = cuda.forward(pb) if backend == "cuda" else cpu.forward(pb)
+    with the sinks folded in (by the CUDA kernels' epilogue; after the CPU backend, by
+    flashcupy/sinks.py)."""
+    if backend == "cuda":
+        return cuda.forward(pb)
+    out, lse = cpu.forward(pb)
     if pb.sinks is not None:
         lse = sinks.apply(pb, out, lse, interop.array_module(out))
     return out, lse

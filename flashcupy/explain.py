@@ -203,8 +203,8 @@ def explain(q: Any, k: Any, v: Any, *, arch: Any = None, backward: bool = True, 
                          [KernelLaunch(launch) for launch in launches])
     notes = []
     if pb.sinks is not None:
-        notes.append("sinks: no kernel of their own: folded into out and lse after the forward, their gradient "
-                     "from the backward's D (flashcupy/sinks.py)")
+        notes.append("sinks: no kernel of their own: the forward's epilogue adds them to each row's sum, their "
+                     "gradient comes from the backward's D (flashcupy/sinks.py)")
     if S.force_portable():
         notes.append(f"note: {S.FORCE_PORTABLE_ENV}=1 forces the portable (SIMT) kernels")
     result.note = "\n".join(notes)

@@ -15,9 +15,13 @@ gradient is the extra column's dS with no value behind it:
     dL/ds_h = sum over the head's rows of P'_sink,i (0 - D_i) = -sum_i exp(s_h - lse'_i) D_i,
 
 summed over the axes the sinks were broadcast along. Every pipeline therefore runs unchanged
-(dropout included: it scales P' after normalisation), and sinks cost one pass over out
-forward and one over dout and out backward. Rows past ``q_lengths`` stay out 0, lse -inf;
+(dropout included: it scales P' after normalisation), and sinks cost lse-sized work and,
+on the CPU, one pass over out forward. Rows past ``q_lengths`` stay out 0, lse -inf;
 a row whose scores are all masked gets lse' = s_h and out' = 0; a sink of -inf is no sink.
+
+The CUDA forward folds the sinks into each row's sum in its epilogue instead (the same
+lse', with out' normalised once, from the float32 or float64 accumulator); :func:`apply`
+serves the CPU backend, :func:`grad` both.
 
 Both functions take NumPy or CuPy arrays in a problem's internal layout (``xp`` their module).
 """

@@ -28,6 +28,7 @@ struct Params {
     const bool* mask;          // strided view broadcast to (B, Hq, Lq, Lk); nullptr if none
     const void* bias;          // strided view broadcast to (B, Hq, Lq, Lk), of the kernel's ScoreMods::Bias; nullptr if none
     const double* alibi;       // (B, Hq) slopes, strided; nullptr if none
+    const double* sinks;       // (B, Hq) sink logits, strided, read by the forward's epilogue; nullptr if none
     const bool* block_mask;    // strided view broadcast to (B, Hq, nbq, nbk); nullptr if none
     const i32* cu_seqlens_q;  // (B + 1) packed offsets; nullptr when padded
     const i32* cu_seqlens_k;
@@ -45,6 +46,7 @@ struct Params {
     i64 bias_sb, bias_sh, bias_si, bias_sj;
     i64 bm_sb, bm_sh, bm_si, bm_sj;
     i64 alibi_sb, alibi_sh;
+    i64 sinks_sb, sinks_sh;
     i64 tiles_sb, tiles_sh, tiles_so;  // the maps' plane (0 where every mask broadcasts) and outer-tile strides
     i64 tt_sb, tt_sh, tt_so;
     u64 seed;             // Philox key = (seed mod 2^32, seed >> 32)

@@ -9,7 +9,8 @@ import pytest
 import flashcupy as fc
 from flashcupy.reference import attention_reference_backward
 
-from support import BF16, F16, F32, F64, Case, assert_rule, cancelling_terms, gradient_names
+from support import (BF16, F16, F32, F64, Case, assert_rule, cancelling_terms, cu_seqlens, gradient_names,
+                     padded_to_packed)
 
 
 def _qkv(rs, shape_q, shape_k, dtype=F64):
@@ -58,11 +59,13 @@ def test_masked_rows_take_the_sink_and_padded_rows_none(backend):
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
 
 
-def test_huge_sink_leaves_nothing_and_tiny_sink_changes_nothing():
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_huge_sink_leaves_nothing_and_tiny_sink_changes_nothing(backend):
     rs = np.random.default_rng(2)
     q, k, v = _qkv(rs, (1, 2, 6, 4), (1, 2, 9, 4))
-    plain, plain_lse = fc.flash_attention(q, k, v, return_lse=True, backend="cpu")
-    out, lse = fc.flash_attention(q, k, v, sinks=[-200.0, 200.0], return_lse=True, backend="cpu")
+    plain, plain_lse = fc.flash_attention(q, k, v, return_lse=True, backend=backend)
+    out, lse = fc.flash_attention(q, k, v, sinks=[-200.0, 200.0], return_lse=True, backend=backend)
+    out, lse, plain, plain_lse = (fc.interop.to_numpy(x) for x in (out, lse, plain, plain_lse))
     np.testing.assert_array_equal(out[0, 0], plain[0, 0])  # exp(-200) vanishes beside the scores
     np.testing.assert_array_equal(lse[0, 0], plain_lse[0, 0])
     assert np.all(np.abs(out[0, 1]) < 1e-80) and np.allclose(lse[0, 1], 200.0)
@@ -111,3 +114,29 @@ def test_cuda_sinks_match_the_reference(dtype):
     for name, g in zip(gradient_names(case.options), grads, strict=True):
         assert isinstance(g, cupy.ndarray)
         assert_rule(name, g.get(), ref[name], naive[name], dtype, terms[name])
+
+
+@pytest.mark.gpu
+def test_cuda_sinks_in_value_chunks_and_packed_sequences():
+    """The CUDA forward's epilogue folds the sink: every Dv chunk's block the same one (float32,
+    Dv = 200 in two chunks), and packed sequences their own sequence's (B, Hq) sinks, as the
+    padded call with lengths does."""
+    import cupy
+
+    rs = np.random.default_rng(8)
+    case = Case(*_qkv(rs, (2, 2, 70, 64), (2, 2, 90, 64), F32), None, {"sinks": rs.standard_normal((2, 2)) * 3})
+    v = rs.standard_normal((2, 2, 90, 200)).astype(F32)
+    case = Case(case.q, case.k, v, rs.standard_normal((2, 2, 70, 200)).astype(F32), case.options)
+    q, k, v = (cupy.asarray(x) for x in (case.q, case.k, case.v))
+    out, lse = fc.flash_attention(q, k, v, sinks=cupy.asarray(case.options["sinks"]), return_lse=True)
+    ref, naive = case.references()
+    assert_rule("out", out.get(), ref["out"], naive["out"], F32)
+    assert_rule("lse", lse.get(), ref["lse"], naive["lse"], F32)
+
+    ql, kl = np.array([70, 33]), np.array([41, 90])
+    opts = {"sinks": case.options["sinks"], "causal": True}
+    padded, padded_lse = fc.flash_attention(q, k, v, q_lengths=ql, kv_lengths=kl, return_lse=True, **opts)
+    packed = [cupy.asarray(padded_to_packed(x, n)) for x, n in ((case.q, ql), (case.k, kl), (case.v, kl))]
+    out, lse = fc.flash_attention_varlen(*packed, cu_seqlens(ql), cu_seqlens(kl), return_lse=True, **opts)
+    np.testing.assert_allclose(out.get(), padded_to_packed(padded.get(), ql), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse.get(), padded_to_packed(padded_lse.get()[..., None], ql)[..., 0], rtol=1e-6)

@@ -254,8 +254,9 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0,
                     maps: tuple[TileMap, ...] = ()) -> tuple[np.void, list]:
     """The Params block of a problem whose operands (from :func:`_rows`) and output (merged)
     are given, and the device arrays it points into that must outlive the launch;
-    ``row_blocks``: the forward's (:func:`forward_row_blocks`), 0 for the backward; ``maps``:
-    the tile maps its kernels walk (the spec's ``tile_maps``)."""
+    ``row_blocks``: the forward's (:func:`forward_row_blocks`), 0 for the backward (which
+    reads no sinks: its lse and out have them already); ``maps``: the tile maps its kernels
+    walk (the spec's ``tile_maps``)."""
     fields: dict[str, Any] = _rows_fields(pb, {"q": q, "k": k, "v": v, "o": out})
     map_fields, keep_alive = _tile_map_fields(pb, maps, xp)  # keep_alive: device arrays the launches read
     fields.update(map_fields)
@@ -286,6 +287,10 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0,
         slopes = xp.asarray(np.ascontiguousarray(pb.alibi_slopes.reshape(batch, pb.num_heads_q)))
         keep_alive.append(slopes)
         fields.update(alibi=slopes.data.ptr, alibi_sb=pb.num_heads_q, alibi_sh=1)
+    if pb.sinks is not None and row_blocks:  # the forward's epilogue folds them in (kernels_cu/epilogue.cuh)
+        logits = xp.ascontiguousarray(xp.asarray(pb.sinks, dtype=np.float64)).reshape(batch, pb.num_heads_q)
+        keep_alive.append(logits)
+        fields.update(sinks=logits.data.ptr, sinks_sb=pb.num_heads_q, sinks_sh=1)
     left, right = pb.window if pb.window is not None else (None, None)
     params = P.pack(
         q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
@@ -383,10 +388,10 @@ _BACKWARD_TEMPLATES = _Templates()
 
 def _points_to_operands_only(pb: Problem) -> bool:
     """Whether a problem's blocks point to its operands, results and buffers only: no masks,
-    bias, ALiBi slopes, lengths, packed sequences or device rng_state."""
+    bias, ALiBi slopes, sinks, lengths, packed sequences or device rng_state."""
     return not (pb.varlen or pb.mask is not None or pb.bias is not None or pb.block_mask is not None
-                or pb.alibi_slopes is not None or pb.q_lengths is not None or pb.kv_lengths is not None
-                or pb.rng_state is not None)
+                or pb.alibi_slopes is not None or pb.sinks is not None or pb.q_lengths is not None
+                or pb.kv_lengths is not None or pb.rng_state is not None)
 
 
 def _layout_key(pb: Problem, device_id: int, operands: tuple, *extra: Any) -> tuple | None:
@@ -394,8 +399,8 @@ def _layout_key(pb: Problem, device_id: int, operands: tuple, *extra: Any) -> tu
     of the row ``operands`` and whether their addresses are 16-byte aligned (which decides
     what :func:`_rows` copies; the outputs are allocated contiguous from the problem's shapes),
     the dtype and the options (the scale with its sign: -0.0 == 0.0), and ``extra``. None for
-    problems whose blocks point to more arrays (masks, bias, ALiBi slopes, lengths, packed
-    sequences, a device rng_state): those are packed for every launch."""
+    problems whose blocks point to more arrays (masks, bias, ALiBi slopes, sinks, lengths,
+    packed sequences, a device rng_state): those are packed for every launch."""
     if not _points_to_operands_only(pb):
         return None
     return (device_id, pb.dtype, pb.causal, pb.window, pb.scale, math.copysign(1.0, pb.scale), pb.softcap,

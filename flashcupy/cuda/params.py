@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-_POINTERS = ("q", "k", "v", "o", "lse", "mask", "bias", "alibi", "block_mask",
+_POINTERS = ("q", "k", "v", "o", "lse", "mask", "bias", "alibi", "sinks", "block_mask",
              "cu_seqlens_q", "cu_seqlens_k", "seqlens_q", "seqlens_k", "tiles", "tiles_t", "rng_state")
 _STRIDES = ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_sr", "o_sb", "o_sh", "o_sr",
             "lse_sb", "lse_sh", "mask_sb", "mask_sh", "mask_si", "mask_sj", "bias_sb", "bias_sh", "bias_si",
-            "bias_sj", "bm_sb", "bm_sh", "bm_si", "bm_sj", "alibi_sb", "alibi_sh", "tiles_sb", "tiles_sh", "tiles_so",
-            "tt_sb", "tt_sh", "tt_so")
+            "bias_sj", "bm_sb", "bm_sh", "bm_si", "bm_sj", "alibi_sb", "alibi_sh", "sinks_sb", "sinks_sh",
+            "tiles_sb", "tiles_sh", "tiles_so", "tt_sb", "tt_sh", "tt_so")
 _INT32 = ("batch", "hq", "hk", "lq", "lk", "d", "dv", "causal", "window_left", "window_right", "block_size")
 _UINT32 = ("dropout_threshold", "dropout_offset")
 _TAIL = ("dv_stored", "row_blocks")
