@@ -416,6 +416,40 @@ PLANNED_CASES = {
 
 
 @pytest.mark.gpu
+def test_gpu_alibi_slopes_are_never_copied_back(monkeypatch) -> None:
+    """ALiBi slopes on the GPU of a GPU call are read by the kernels where they lie (a copy back
+    would wait for the GPU at every call): the general forward and backward, and the decode
+    kernels, give bitwise the results of the same slopes given on the host."""
+    import cupy
+
+    import flashcupy as fc
+    from flashcupy.problem import options as option_checks
+
+    q, k, v = (cupy.asarray(x) for x in _arrays((2, 4, 70, 64), (2, 2, 90, 64), 64, F16, seed=3))
+    host = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    slopes = cupy.asarray(host)
+    dout = cupy.ones((2, 4, 70, 64), F16)
+    want = fc.flash_attention_vjp(q, k, v, alibi_slopes=host, causal=True)
+    want = (want[0], *want[1](dout))
+    cache = (q[:, :, :1], k, v)
+    want_decode = fc.flash_attention_with_kvcache(*cache, alibi_slopes=host, cache_seqlens=80)
+    real = option_checks.host_array
+
+    def host_array(name, x):
+        assert name != "alibi_slopes", "GPU slopes copied back to the host"
+        return real(name, x)
+
+    monkeypatch.setattr(option_checks, "host_array", host_array)
+    monkeypatch.setattr(problems.arrays, "host_array", host_array)
+    got = fc.flash_attention_vjp(q, k, v, alibi_slopes=slopes, causal=True)
+    got = (got[0], *got[1](dout))
+    for g, w in zip(got, want, strict=True):
+        assert cupy.array_equal(g, w)
+    assert cupy.array_equal(fc.flash_attention_with_kvcache(*cache, alibi_slopes=slopes, cache_seqlens=80),
+                            want_decode)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", list(PLANNED_CASES))
 def test_planned_cupy_calls_equal_the_full_path_and_skip_it(case, monkeypatch) -> None:
     """flash_attention, flash_attention_forward / _backward and flash_attention_vjp on CuPy

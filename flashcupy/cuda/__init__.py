@@ -284,7 +284,7 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0,
         keep_alive.append(pb.rng_state)
         fields["rng_state"] = pb.rng_state.data.ptr
     if pb.alibi_slopes is not None:
-        slopes = xp.asarray(np.ascontiguousarray(pb.alibi_slopes.reshape(batch, pb.num_heads_q)))
+        slopes = xp.ascontiguousarray(xp.asarray(pb.alibi_slopes, dtype=np.float64)).reshape(batch, pb.num_heads_q)
         keep_alive.append(slopes)
         fields.update(alibi=slopes.data.ptr, alibi_sb=pb.num_heads_q, alibi_sh=1)
     if pb.sinks is not None and row_blocks:  # the forward's epilogue folds them in (kernels_cu/epilogue.cuh)

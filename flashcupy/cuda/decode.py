@@ -391,7 +391,7 @@ def score_arrays(pb: Problem, heads: tuple[int, int]) -> tuple[Any, Any]:
 
     alibi = sinks = None
     if pb.alibi_slopes is not None:
-        alibi = cp.asarray(np.ascontiguousarray(np.broadcast_to(pb.alibi_slopes, heads), dtype=np.float64))
+        alibi = cp.ascontiguousarray(cp.broadcast_to(cp.asarray(pb.alibi_slopes, dtype=np.float64), heads))
     if pb.sinks is not None:
         sinks = cp.ascontiguousarray(cp.broadcast_to(cp.asarray(pb.sinks, dtype=np.float64), heads))
     return alibi, sinks

@@ -102,8 +102,9 @@ class Problem(Layout):
 
     ``mask``, ``bias`` and ``block_mask`` are broadcast views of shape (*batch, Hq, Lq, Lk)
     and (*batch, Hq, ceil(Lq/bs), ceil(Lk/bs)); ``bias_shape`` is the bias's own shape.
-    ``alibi_slopes`` are host float64 (*batch, Hq); ``sinks`` a broadcast view (*batch, Hq)
-    beside q (host or device), ``sinks_shape`` the sinks' own shape. ``rng_state``, where
+    ``alibi_slopes`` are host float64 (*batch, Hq), or a broadcast view (*batch, Hq) on the
+    device where they were given there; ``sinks`` a broadcast view (*batch, Hq) beside q
+    (host or device), ``sinks_shape`` the sinks' own shape. ``rng_state``, where
     given, is a (2,) 8-byte integer array beside q holding dropout's seed and offset in place
     of ``seed`` and ``dropout_offset`` (:meth:`dropout_key` reads it).
     """
@@ -116,7 +117,7 @@ class Problem(Layout):
     mask: Any
     bias: Any
     bias_shape: tuple[int, ...] | None
-    alibi_slopes: np.ndarray | None
+    alibi_slopes: Any
     sinks: Any
     sinks_shape: tuple[int, ...] | None
     q_lengths: np.ndarray | None

@@ -184,10 +184,16 @@ def _check_real(name: str, x: Any) -> None:
         raise TypeError(f"{name}: expected real numbers, received dtype {dtype_name(x.dtype)}")
 
 
-def _slopes(slopes: Any, target: tuple[int, ...]) -> np.ndarray | None:
-    """ALiBi slopes as host float64 broadcast to (*batch, Hq), all finite."""
+def _slopes(slopes: Any, target: tuple[int, ...], xp: Any) -> Any:
+    """ALiBi slopes broadcast to (*batch, Hq): host float64, all finite; or, slopes given on
+    the GPU of a device problem (``xp`` CuPy), a device view whose values are not read, as
+    the sinks' (no copy back and no wait for the GPU; NaN and inf reach the rows of their
+    head)."""
     if slopes is None:
         return None
+    if xp is not np and type(slopes) is xp.ndarray:
+        _check_real("alibi_slopes", slopes)
+        return broadcast_view("alibi_slopes", slopes, target, xp)
     host = host_array("alibi_slopes", slopes)
     _check_real("alibi_slopes", host)
     slopes = np.array(broadcast_view("alibi_slopes", host, target, np), dtype=np.float64)
@@ -253,7 +259,7 @@ def check_options(o: dict[str, Any], lay: Layout, xp: Any) -> dict[str, Any]:
         bias = broadcast_view("bias", bias, scores_shape, xp)
     heads = lay.batch + (lay.num_heads_q,)
     sinks, sinks_shape = _sinks(o["sinks"], heads, xp)
-    fields.update(mask=mask, bias=bias, bias_shape=bias_shape, alibi_slopes=_slopes(o["alibi_slopes"], heads),
+    fields.update(mask=mask, bias=bias, bias_shape=bias_shape, alibi_slopes=_slopes(o["alibi_slopes"], heads, xp),
                   sinks=sinks, sinks_shape=sinks_shape)
 
     for name, limit in (("q_lengths", lay.seqlen_q), ("kv_lengths", lay.seqlen_k)):
