@@ -21,7 +21,7 @@
 namespace flash {
 
 template <typename Mainloop, typename HostScoreSet, int SMEM_BYTES, int THREADS>
-__global__ void __launch_bounds__(THREADS, Mainloop::min_blocks(HostScoreSet::kMods)) flash_fwd(const Params p) {
+__global__ void __launch_bounds__(THREADS, 1) flash_fwd(const Params p) {
     static_assert(THREADS == Mainloop::kThreads, "the host launches the mainloop's threads");
     using T = typename Mainloop::Element;
     using ScoreSet = typename ForElement<HostScoreSet, T>::type;
@@ -95,7 +95,6 @@ __global__ void __launch_bounds__(THREADS, Mainloop::min_blocks(HostScoreSet::kM
     // A block that attended no tile still waits for its Q copy (a producer-consumer mainloop's
     // consumer has none: its producer copies Q).
     cp_async_wait<0>();
-    softmax.finish();
     forward_epilogue(p, hv, frame_rows, r0, t, chunk == 0, gO, gLse, dv_valid, m, l, o);
 }
 

@@ -55,7 +55,7 @@ struct OnlineSoftmax {
         if constexpr (Sc::kFull) {
             // One copy of the options' passes for every tile, the selection skipped on fast ones
             // (a second copy for fast tiles spills the D = 128 bias kernel).
-            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, i0, i1, jt1, crosses, !fast, !k.whole,
+            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, !fast, !k.whole,
                                                          staged.operands(stage, r0 - i0, t));
             each_element(sp, 0, 0, 0, fold_max);
         } else if (fast) {
@@ -66,7 +66,7 @@ struct OnlineSoftmax {
         } else {
             // Keys past jt1 are zero-filled padding of the tile and rows past q_len are
             // discarded: both masked, the latter before any mask or bias read.
-            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, i0, i1, jt1, crosses, true, false,
+            scores.template masked_tile<SEQUENTIAL_MASK>(sp, r0, jt0, t, jt1, crosses, true, false,
                                                          staged.operands(stage, r0 - i0, t));
             each_element(sp, 0, 0, 0, fold_max);
         }
@@ -98,10 +98,6 @@ struct OnlineSoftmax {
             }
         }
     }
-
-    // m in the scores' own log2 domain once every tile is folded (Scores::unshift_max), as
-    // the epilogue forms lse from it.
-    __device__ __forceinline__ void finish() { scores.unshift_max(m, r0, i0); }
 
     // The dropout bits of key tile k for exponentiate: every lane of the warp calls it.
     template <int NP>

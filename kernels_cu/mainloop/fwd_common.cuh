@@ -6,8 +6,7 @@
 //   Element, Acc, MI (16-row groups per warp), kBlockM, kBlockN (keys per tile), kStages (of
 //   K in shared memory), kDv, kThreads (every thread of the block, producer warps included),
 //   kSwizzled (its tiles start 1024-byte aligned), kSequentialMask (OnlineSoftmax's band
-//   test), min_blocks(mods) (blocks an SM holds with the options `mods`: the launch bounds) and
-//   SharedStorage (the entry adds the staged operands' bytes and checks the sum);
+//   test) and SharedStorage (the entry adds the staged operands' bytes and checks the sum);
 //   run(storage, block, scores, staged, softmax, o): O and the softmax's m and l over every
 //   key tile the block attends, false for threads that hold no output rows (producer warps);
 //   `staged` (score/tiles.cuh) holds kStages stages of the score operands a tile reads: a

@@ -31,12 +31,6 @@ struct FwdOverlap {
     static constexpr int kThreads = 32 * NUM_WARPS;
     static constexpr bool kSwizzled = true;
     static constexpr bool kSequentialMask = DV > 128;  // as FwdSerial's
-    // Blocks an SM holds (the entry's launch bounds): three at HD = 64 with the elementwise
-    // options alone (ALiBi, softcap), which ptxas otherwise gives a dozen registers more than the
-    // plain kernel's 168 for terms it computes ahead of the products, losing the third block.
-    __host__ __device__ static constexpr int min_blocks(unsigned mods) {
-        return HD <= 64 && mods != 0 && (mods & ~(kModAlibi | kModSoftcap)) == 0 ? 3 : 1;
-    }
     static_assert(NUM_WARPS % 4 == 0, "whole warpgroups");
 
     using QTile = Sw128Tile<T, kBlockM, HD>;

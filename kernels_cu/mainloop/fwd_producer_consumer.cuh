@@ -206,7 +206,6 @@ struct FwdProducerConsumer {
     static constexpr int kThreads = 2 * kConsumerThreads;  // and one producer warpgroup
     static constexpr bool kSwizzled = true;
     static constexpr bool kSequentialMask = false;
-    __host__ __device__ static constexpr int min_blocks(unsigned) { return 1; }  // one block an SM: its shared memory
     using Storage = Tf32x3Storage<HD, DV, BLOCK_N, kConsumerThreads>;
     using SharedStorage = typename Storage::SharedStorage;
 

@@ -33,7 +33,6 @@ struct FwdSerial {
     // registers: the wgmma kernel with a 256-wide O has none to spare and keeps the
     // sequential test.
     static constexpr bool kSequentialMask = Policy::WARPGROUP && DV > 128;
-    __host__ __device__ static constexpr int min_blocks(unsigned) { return 1; }  // the registers ptxas chooses
     static_assert(STAGES == 1 || STAGES == 2, "one or two shared-memory stages");
     static_assert(!Policy::WARPGROUP || (NUM_WARPS % 4 == 0 && STAGES == 2), "whole warpgroups, two stages");
 

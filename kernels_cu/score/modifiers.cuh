@@ -177,16 +177,13 @@ struct ScoreOp {
 
     // value() on a whole (16 MI, 8 NP) accumulator tile of S = Q K^T (mma/common.cuh's
     // layout: rows r0 + 8 x for x = 2 mi + (e >> 1), keys jt0 + 8 n + 2 t + (e & 1)), one
-    // pass per option present, each row's scores shifted by ALiBi's row_shift (alibi_scaled;
-    // unshift_max takes it out of the row maxima): rows [i0, i1) of the block. The bias comes
-    // from the tile's staged operands `ops` (score/tiles.cuh's TileOperands, at the thread's
-    // first element), zero past the tile's keys and rows.
+    // pass per option present. The bias comes from the tile's staged operands `ops`
+    // (score/tiles.cuh's TileOperands, at the thread's first element), zero past the tile's
+    // keys and rows.
     template <int MI, int NP, typename Ops>
-    __device__ __forceinline__ void values(const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0, int t, int i0,
-                                           int i1, const Ops& ops) const {
-        if constexpr ((M & kModAlibi) != 0) {
-            alibi_scaled<NP>(hv, s, r0, jt0, t, i0, i1);
-        } else if constexpr ((M & kModSoftcap) != 0) {
+    __device__ __forceinline__ void values(const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0, int t,
+                                           const Ops& ops) const {
+        if constexpr ((M & kModSoftcap) != 0) {
             const Acc log2e = static_cast<Acc>(kLog2e);
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * capped(x) * log2e; });
         } else {
@@ -201,59 +198,13 @@ struct ScoreOp {
                 y += b1 * log2e;
             });
         }
-    }
-
-    // The scale (or softcap) of raw product x with w added by the same FMA.
-    __device__ __forceinline__ Acc scaled_plus(Acc x, Acc w) const {
-        if constexpr ((M & kModSoftcap) != 0) {
-            return fma(capped(x), softcap * static_cast<Acc>(kLog2e), w);
-        } else {
-            return fma(x, scale_log2, w);
-        }
-    }
-
-    // The forward's ALiBi with its scale pass, one FMA a score adding a term w. A row's scores
-    // all take the same shift, slope (i - i0) (log2 domain; i0 the block's first row): the
-    // softmax does not see it, and unshift_max takes it out of the row maximum before the lse.
-    // With J = i0 + Lk - Lq (the first row's diagonal) the shifted term
-    // -slope |i + Lk - Lq - j| + slope (i - i0) is
-    //   slope (j - J)                  on a tile left of every row's diagonal (j <= i + Lk - Lq):
-    //                                  one value a key, the same for every row (the causal case);
-    //   slope (2 (i - i0) - (j - J))   on a tile right of every row's diagonal;
-    //   the sum as written             on a tile across the diagonal (an offset, an FMA more).
-    // The terms stay small near each row's maximum (its diagonal, within the block's rows of
-    // J), so they cost no precision where the softmax weighs them; far from it they are large
-    // and negative, as the scores are. Offsets are exact while |j - J| < 2^24.
-    template <int NP, int MI>
-    __device__ __forceinline__ void alibi_scaled(const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0, int t,
-                                                 int i0, int i1) const {
-        const int first = i0 + hv.diagonal;   // J
-        const int rel = jt0 + 2 * t - first;  // j - J at the thread's first key
-        if (jt0 + 8 * NP - 1 <= first) {      // uniform: the tile's last key is left of the first row's diagonal
-            const Acc b = slope_log2 * static_cast<Acc>(rel);
-            each_element(s, 0, 0, 0, [&](Acc& x, int, int dc) { x = scaled_plus(x, fma(slope_log2, Acc(dc), b)); });
-        } else if (i1 - 1 + hv.diagonal <= jt0) {  // the tile's first key is right of the last row's diagonal
-            const Acc u = slope_log2 * static_cast<Acc>(2 * (r0 - i0) - rel);
-            each_element(s, 0, 0, 0, [&](Acc& x, int dr, int dc) {
-                x = scaled_plus(x, fma(slope_log2, Acc(2 * dr - dc), u));
+        if constexpr ((M & kModAlibi) != 0) {  // s -= slope * |i + Lk - Lq - j|, from one conversion (value_at)
+            const Acc d0 = alibi_base(hv, r0, jt0 + 2 * t);
+            each_pair(s, [&](Acc& x, Acc& y, int dr, int dc) {
+                const Acc d = d0 + static_cast<Acc>(dr - dc);  // (row r0 + dr, key jt0 + 2 t + dc)
+                x -= slope_log2 * fabs(d);
+                y -= slope_log2 * fabs(d - Acc(1));  // the next key
             });
-        } else {
-            const Acc d0 = alibi_base(hv, r0, jt0 + 2 * t);       // i + Lk - Lq - j at the thread's first score
-            const Acc shift = slope_log2 * static_cast<Acc>(r0 - i0);  // at its first row
-            each_element(s, 0, 0, 0, [&](Acc& x, int dr, int dc) {
-                const Acc d = d0 + static_cast<Acc>(dr - dc);
-                x = scaled_plus(x, fma(-slope_log2, fabs(d), fma(slope_log2, Acc(dr), shift)));
-            });
-        }
-    }
-
-    // The row maxima m (rows r0 + 8 x) of scores from values() in the scores' own log2
-    // domain: ALiBi's shift slope (i - i0) (alibi_scaled) taken out; -inf stays -inf.
-    template <int R>
-    __device__ __forceinline__ void unshift_max(Acc (&m)[R], int r0, int i0) const {
-        if constexpr ((M & kModAlibi) != 0) {
-#pragma unroll
-            for (int x = 0; x < R; ++x) m[x] -= slope_log2 * static_cast<Acc>(r0 + 8 * x - i0);
         }
     }
 
@@ -262,9 +213,9 @@ struct ScoreOp {
     // (check_band), and wherever the block mask says no (read only inside (q_len, j_end)).
     template <int MI, int NP, typename Ops>
     __device__ __forceinline__ void tile(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
-                                         int t, int i0, int i1, int j_end, bool check_band, bool select, bool mask,
+                                         int t, int j_end, bool check_band, bool select, bool mask,
                                          const Ops& ops) const {
-        values(hv, s, r0, jt0, t, i0, i1, ops);
+        values(hv, s, r0, jt0, t, ops);
         if ((M & kModMask) != 0 && mask) {
             each_pair(s, [&](Acc& x, Acc& y, int dr, int dc) {
                 const unsigned kept = ops.mask_pair(dr, dc);

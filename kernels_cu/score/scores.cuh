@@ -16,8 +16,7 @@
 //                     edge and without a block mask is a fast one: values() and, with a mask,
 //                     the mask's own selection from its staged tile, nothing else;
 //   forward transform masked_tile(s, ..., select, mask, ops): raw products -> log2-domain
-//                     scores (with ALiBi, each row's shifted by a constant of its own, which
-//                     unshift_max takes out of the row maxima), with `mask` (a tile the mask does not keep whole) -inf where the
+//                     scores, with `mask` (a tile the mask does not keep whole) -inf where the
 //                     mask says no, and with `select` where the lengths, the
 //                     band or the block mask say no (every tile but the fast ones), the bias
 //                     and mask read from the tile's operands staged in shared memory
@@ -72,27 +71,18 @@ struct Scores {
     // q_len are computed to be discarded; PlainScores always select (their fast tiles take the
     // softmax's fused scale-and-max loop instead). SEQUENTIAL: PlainScores' band test in
     // TileBand's sequential form, for kernels without registers to spare.
-    // The bias and mask come from the tile's staged operands `ops` (score/tiles.cuh). The
-    // block's rows are [i0, i1): with ALiBi each row's scores come shifted (ScoreOp::values),
-    // and unshift_max takes the shift out of the row maxima.
+    // The bias and mask come from the tile's staged operands `ops` (score/tiles.cuh).
     template <bool SEQUENTIAL, int MI, int NP, typename Ops>
-    __device__ __forceinline__ void masked_tile(Acc (&s)[MI][NP][4], int r0, int jt0, int t, int i0, int i1, int jt1,
+    __device__ __forceinline__ void masked_tile(Acc (&s)[MI][NP][4], int r0, int jt0, int t, int jt1,
                                                 bool crosses, bool select, bool mask, const Ops& ops) const {
         if constexpr (kFull) {
-            op.tile(p, hv, s, r0, jt0, t, i0, i1, jt1, crosses, select, mask, ops);
+            op.tile(p, hv, s, r0, jt0, t, jt1, crosses, select, mask, ops);
         } else {
             const TileBand<SEQUENTIAL> kept(p, hv, crosses);
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
                 x = kept((j < jt1) & (i < hv.q_len), i, j) ? x * op.scale_log2 : neg_inf<Acc>();
             });
         }
-    }
-
-    // The forward's row maxima m (rows r0 + 8 x of the block from i0) from masked_tile's
-    // shifted scores to the scores' own log2 domain, before the lse is formed.
-    template <int R>
-    __device__ __forceinline__ void unshift_max(Acc (&m)[R], int r0, int i0) const {
-        if constexpr (kFull) op.unshift_max(m, r0, i0);
     }
 
     // softcap's tanh(scale q.k / c) of raw = q.k (raw itself without softcap): what the
