@@ -69,8 +69,9 @@ struct ScoreOp {
     static constexpr unsigned M = Set::kMods;
     using B = typename Set::Bias;
     Acc scale_log2;      // scale * log2(e) (no softcap)
-    Acc scale;           // scale (softcap)
-    Acc softcap, inv_softcap;
+    Acc scale;           // scale
+    Acc cap_in;          // scale / softcap: tanh's argument per raw product (softcap)
+    Acc cap_log2;        // softcap * log2(e): a capped score in the log2 domain (softcap)
     Acc slope_log2;      // ALiBi slope * log2(e)
     const B* bias;       // this head's bias
     const bool* mask;    // this head's mask
@@ -79,8 +80,10 @@ struct ScoreOp {
     __device__ __forceinline__ ScoreOp(const Params& p, const HeadView& hv) {
         scale = static_cast<Acc>(p.scale);
         scale_log2 = static_cast<Acc>(p.scale * kLog2e);
-        softcap = static_cast<Acc>(p.softcap);
-        inv_softcap = static_cast<Acc>((M & kModSoftcap) != 0 ? 1.0 / p.softcap : 0.0);
+        // Products of the host's doubles: a score takes one multiply before its tanh and one
+        // after, where (q.k * scale) / c and c * tanh * log2(e) took two each.
+        cap_in = static_cast<Acc>((M & kModSoftcap) != 0 ? p.scale / p.softcap : 0.0);
+        cap_log2 = static_cast<Acc>(p.softcap * kLog2e);
         slope_log2 = (M & kModAlibi) != 0 ? static_cast<Acc>(p.alibi[hv.b * p.alibi_sb + hv.h * p.alibi_sh] * kLog2e)
                                           : Acc(0);
         if constexpr ((M & kModBias) != 0) {
@@ -115,7 +118,7 @@ struct ScoreOp {
     // the value and for softcap's derivative.
     __device__ __forceinline__ Acc capped(Acc raw) const {
         if constexpr ((M & kModSoftcap) != 0) {
-            return cap_tanh(raw * scale * inv_softcap);
+            return cap_tanh(raw * cap_in);
         } else {
             return raw;
         }
@@ -137,7 +140,7 @@ struct ScoreOp {
     __device__ __forceinline__ Acc value_at(Acc x, Acc b_log2, Acc d) const {
         Acc s;
         if constexpr ((M & kModSoftcap) != 0) {
-            s = softcap * x * static_cast<Acc>(kLog2e);  // s = c tanh(s / c)
+            s = cap_log2 * x;  // s = c tanh(s / c)
         } else {
             s = x * scale_log2;
         }
@@ -184,8 +187,7 @@ struct ScoreOp {
     __device__ __forceinline__ void values(const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0, int t,
                                            const Ops& ops) const {
         if constexpr ((M & kModSoftcap) != 0) {
-            const Acc log2e = static_cast<Acc>(kLog2e);
-            each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = softcap * capped(x) * log2e; });
+            each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x = cap_log2 * capped(x); });
         } else {
             each_element(s, r0, jt0, t, [&](Acc& x, int, int) { x *= scale_log2; });
         }
