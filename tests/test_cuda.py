@@ -411,32 +411,15 @@ def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
 HOPPER_OPTION_BACKWARDS = ((F16, 64), (BF16, 64), (F16, 128), (BF16, 256))
 
 
-@pytest.mark.parametrize("dtype, d", HOPPER_OPTION_BACKWARDS)
-@given(data=st.data())
-@settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)  # a kernel per option set drawn
-def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
-    """The wgmma dK/dV kernel with score options (OptionElements, full_elements): every option
-    alone and together as far as the rules keep them on it, partial query and key tiles, GQA,
-    fully masked rows and a masked tile, the band and lengths; dbias reduced over the
-    broadcast axes."""
-    arch, smem = _sm90_limits("wgmma kernels need")
-    b, hq, hk = 2, 2, 1
-    lq = data.draw(st.sampled_from([1, 65, 130, 300]), label="lq")
-    lk = data.draw(st.sampled_from([1, 63, 129, 257]), label="lk")
-    rs = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="values"))
+def _drawn_options(data, rs: np.random.Generator, names: list[str], b: int, hq: int, lq: int, lk: int,
+                   bias_dtypes: tuple) -> dict:
+    """The options ``names`` of a (b, hq, lq, lk) call drawn for the option tests: bias and mask
+    of every broadcast shape (a fully masked row, a masked (64, 64) tile), a block mask, ALiBi,
+    softcap, dropout, and maybe a band and lengths."""
     shapes = st.sampled_from([(lq, lk), (hq, lq, lk), (b, 1, lq, lk), (b, 1, 1, lk), (b, hq, lq, lk)])
-    most = 6 if d <= 64 else 2  # spec.wgmma_backward_takes: above D = 64 at most two options,
-    names = data.draw(st.lists(st.sampled_from(["bias", "mask", "block_mask", "alibi", "softcap", "dropout"]),
-                               min_size=1, max_size=most, unique=True), label="options")
-    if d > 64 and "dropout" in names and not set(names) <= {"dropout", "bias"}:
-        names.remove("dropout")  # dropout alone or beside a bias
-    if d > 64 and set(names) in ({"mask", "block_mask"}, {"softcap", "mask"}):
-        names.remove("mask")  # these pairs take mma.sync above D = 64
-    if {"softcap", "dropout"} <= set(names) and set(names) & {"mask", "block_mask"}:
-        names.remove("dropout")  # softcap, dropout and a mask take mma.sync (spec.wgmma_backward_takes)
     options: dict = {}
-    if "bias" in names:  # a float64 bias with a mask at D = 64: staged in one stage (two do not fit)
-        options["bias"] = rs.standard_normal(data.draw(shapes)).astype(data.draw(st.sampled_from([dtype, F32, F64])))
+    if "bias" in names:  # beside a mask, a float64 bias at D = 64 takes one stage (two do not fit)
+        options["bias"] = rs.standard_normal(data.draw(shapes)).astype(data.draw(st.sampled_from(bias_dtypes)))
     if "mask" in names:
         mask = rs.random(data.draw(shapes)) < 0.8
         if mask.shape[-2] > 1:
@@ -457,12 +440,64 @@ def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
         options.update(data.draw(st.sampled_from([{"causal": True}, {"causal": "top_left"}, {"window": (40, 3)}])))
     if data.draw(st.booleans(), label="lengths"):
         options["q_lengths"], options["kv_lengths"] = np.array([lq, lq // 2]), np.array([lk // 3, lk])
+    return options
+
+
+@pytest.mark.parametrize("dtype, d", HOPPER_OPTION_BACKWARDS)
+@given(data=st.data())
+@settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)  # a kernel per option set drawn
+def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
+    """The wgmma dK/dV kernel with score options (OptionElements, full_elements): every option
+    alone and together as far as the rules keep them on it, partial query and key tiles, GQA,
+    fully masked rows and a masked tile, the band and lengths; dbias reduced over the
+    broadcast axes."""
+    arch, smem = _sm90_limits("wgmma kernels need")
+    b, hq, hk = 2, 2, 1
+    lq = data.draw(st.sampled_from([1, 65, 130, 300]), label="lq")
+    lk = data.draw(st.sampled_from([1, 63, 129, 257]), label="lk")
+    rs = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="values"))
+    most = 6 if d <= 64 else 2  # spec.wgmma_backward_takes: above D = 64 at most two options,
+    names = data.draw(st.lists(st.sampled_from(["bias", "mask", "block_mask", "alibi", "softcap", "dropout"]),
+                               min_size=1, max_size=most, unique=True), label="options")
+    if d > 64 and "dropout" in names and not set(names) <= {"dropout", "bias"}:
+        names.remove("dropout")  # dropout alone or beside a bias
+    if d > 64 and set(names) in ({"mask", "block_mask"}, {"softcap", "mask"}):
+        names.remove("mask")  # these pairs take mma.sync above D = 64
+    if {"softcap", "dropout"} <= set(names) and set(names) & {"mask", "block_mask"}:
+        names.remove("dropout")  # softcap, dropout and a mask take mma.sync (spec.wgmma_backward_takes)
+    options = _drawn_options(data, rs, names, b, hq, lq, lk, (dtype, F32, F64))
     case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=dtype, **options)
     bias = options.get("bias")
     scores = ScoreSet.of(bias_dtype=None if bias is None else bias.dtype.name, mask="mask" in options,
                          block_mask="block_mask" in options, alibi="alibi_slopes" in options,
                          softcap="softcap" in options, dropout="dropout_p" in options)
     assert select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=scores).policy == "wgmma"
+    _check_backward(case)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@given(data=st.data())
+@settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)  # a kernel per option set drawn
+def test_warp_backward_staged_options_match_reference(d, data) -> None:
+    """The one-role warp dK/dV kernel (3xTF32) with the bias or the mask staged with each query
+    tile (BwdWarp's Staged, OptionElements' two passes): every shape of them, partial tiles,
+    GQA, fully masked rows and tiles, the band, lengths and the other options beside them."""
+    b, hq, hk = 2, 2, 1
+    lq = data.draw(st.sampled_from([1, 33, 130, 300]), label="lq")
+    lk = data.draw(st.sampled_from([1, 63, 129, 257]), label="lk")
+    rs = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="values"))
+    staged = data.draw(st.sampled_from([["bias"], ["mask"]]), label="staged")
+    others = data.draw(st.lists(st.sampled_from(["block_mask", "alibi", "dropout"]), max_size=2, unique=True),
+                       label="others")
+    options = _drawn_options(data, rs, staged + others, b, hq, lq, lk, (F32, F64, F16))
+    case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=F32, **options)
+    bias = options.get("bias")
+    scores = ScoreSet.of(bias_dtype=None if bias is None else bias.dtype.name, mask="mask" in options,
+                         block_mask="block_mask" in options, alibi="alibi_slopes" in options,
+                         dropout="dropout_p" in options)
+    arch, smem = cuda.device_limits(cupy.cuda.Device().id)
+    spec = select_backward("float32", d, d, arch, smem, scores=scores)
+    assert spec.mainloop == "BwdWarp" and spec.stages_scores
     _check_backward(case)
 
 

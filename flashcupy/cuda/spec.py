@@ -394,8 +394,8 @@ class BackwardSpec:
         fused, dS^T (block_r, block_c) padded by 16 bytes per row, in T on the float16/bfloat16
         tensor cores and in the accumulator dtype otherwise; with two roles, P^T (block_r,
         block_c) in the accumulator dtype; ``presplit``: the K, V, Q and dO tiles twice (hi and
-        lo). wgmma: the tiles swizzled without padding (dS^T in T), 1024 bytes of slack
-        to align them, and per stage the staged bias and mask tiles (``stages_scores``)."""
+        lo). wgmma: the tiles swizzled without padding (dS^T in T) and 1024 bytes of slack
+        to align them. Either: per stage the staged bias and mask tiles (``stages_scores``)."""
         stats = self.stages * 2 * self.block_c * self.acc_itemsize
         if self.policy == "wgmma":
             elems = (2 * self.block_r + 2 * self.stages * self.block_c) * self.head_dim + self.block_r * self.block_c
@@ -405,19 +405,25 @@ class BackwardSpec:
         ds = self.block_r * (self.block_c * pelem + 16) if self.fused_dq else 0
         handoff = self.block_r * self.block_c * self.acc_itemsize if self.roles == 2 else 0
         tiles = (2 * self.block_r + 2 * self.stages * self.block_c) * self._row_bytes() * (2 if self.presplit else 1)
-        return tiles + stats + ds + handoff
+        staged = self.stages * score_tile_bytes(self.scores, self.block_c, self.block_r) if self.stages_scores else 0
+        return tiles + stats + ds + handoff + staged
 
     @property
     def stages_scores(self) -> bool:
         """Whether the dK/dV kernel copies each query tile's bias and mask windows into shared
-        memory with its Q (kernels_cu/mainloop/bwd_wgmma.cuh's Staged): wgmma with options but
-        softcap up to a padded head dim of 128 in its two element passes (gradient chunks of 64
-        columns, or no bias and no dropout), and not a bias, a mask and dropout together (they
-        spill); the rest read them per score."""
+        memory with its Q (the mainloops' Staged): sets with options but softcap and not a
+        bias, a mask and dropout together (they spill), on wgmma (kernels_cu/mainloop/
+        bwd_wgmma.cuh) up to a padded head dim of 128 in its two element passes (gradient
+        chunks of 64 columns, or no bias and no dropout), on the one-role warp kernels
+        (bwd_warp.cuh) of mma16, tf32 and tf32x3 (not with a bias and a mask together) with a
+        bias or a mask; the rest read them per score."""
         mods = set(self.scores.mods)
-        two_pass = self.kv_chunk <= 64 or not mods & {"bias", "dropout"}
-        return (self.policy == "wgmma" and self.head_dim <= 128 and self.scores.full and "softcap" not in mods
-                and two_pass and not {"bias", "mask", "dropout"} <= mods)
+        if not self.scores.full or "softcap" in mods or {"bias", "mask", "dropout"} <= mods:
+            return False
+        if self.policy == "wgmma":
+            return self.head_dim <= 128 and (self.kv_chunk <= 64 or not mods & {"bias", "dropout"})
+        return (self.mainloop == "BwdWarp" and self.policy in ("mma16", "tf32", "tf32x3") and bool(mods & {"bias", "mask"})
+                and not (self.policy == "tf32x3" and {"bias", "mask"} <= mods))
 
     @property
     def smem_bytes(self) -> int:

@@ -4,7 +4,9 @@
 // (DQ != kDqOwnKernel) the warps then park dS^T in shared memory and compute the tile's
 // dQ = dS K over all the block's keys, added into dQ's accumulator with atomics.
 // STAGES (1 or 2): shared-memory stages of the streamed Q, dO and statistics; with two, the
-// next tile's copies run during the current tile's products. Any score option set.
+// next tile's copies run during the current tile's products. Any score option set; a bias or
+// a mask staged in shared memory with each query tile (Staged) and read by OptionElements'
+// two element passes, as on the warpgroup kernel.
 #pragma once
 
 #include "bwd_common.cuh"
@@ -33,11 +35,25 @@ struct BwdWarp {
     // dS^T (BLOCK_R, BLOCK_C) for the fused dQ, rows padded to LDS
     static constexpr int DS_ELEMS = FUSED_DQ ? BLOCK_R * LDS : 0;
     using SharedStorage = DkdvStorage<T, PElem, Acc, KTile::ELEMS, QTile::ELEMS, STAGES, 0, DS_ELEMS, BLOCK_C, 0>;
-    template <typename Set> using Staged = NoScoreTiles;  // bias and mask read per score
+    // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q (read per score
+    // from global memory, a bias or mask about doubled the float32 backward's time), for the
+    // sets OptionElements takes (no softcap), but a bias, a mask and dropout together (as
+    // BwdWgmma), on the float16, bfloat16 and TF32 tensor cores; not beside 3xTF32's split
+    // fragments with a bias and a mask (8 bytes spill at D = 64), nor for float64 (8-24 bytes
+    // spill at D = 64) or SIMT. flashcupy/cuda/spec.py's BackwardSpec.stages_scores mirrors this.
+    static constexpr unsigned kStagedMods = kModBias | kModMask;
+    template <typename Set>
+    static constexpr bool kStages = kTwoPassElements<Set> && (Set::kMods & kStagedMods) != 0
+                                    && (Set::kMods & (kStagedMods | kModDropout)) != (kStagedMods | kModDropout)
+                                    && sizeof(Acc) == 4 && !kSimt<Policy>
+                                    && !(kSplitTf32<Policy> && (Set::kMods & kStagedMods) == kStagedMods);
+    template <typename Set>
+    using Staged = typename StagedOr<kStages<Set>, ScoreTiles<Set, BLOCK_C, BLOCK_R, STAGES, true>>::type;
 
-    template <typename ScoreSet>
-    static __device__ __forceinline__ void run(SharedStorage& storage, Block& blk) {
-        constexpr bool FULL = ScoreSet::kFull;  // options: full_elements
+    template <typename ScoreSet, typename Storage>
+    static __device__ __forceinline__ void run(Storage& storage, Block& blk) {
+        constexpr bool FULL = ScoreSet::kFull;  // options: OptionElements where staged, else full_elements
+        using Tiles = Staged<ScoreSet>;
         constexpr int NT = BLOCK_C / 8, NC = CH / 8;
         const BwdParams& bp = blk.bp;
         const Params& p = blk.p;
@@ -54,7 +70,7 @@ struct BwdWarp {
         const Acc dropout_scale = static_cast<Acc>(p.dropout_scale);
 
         auto nothing = [] {};
-        blk.template walk<Acc, ScoreSet, STAGES, false, QTile, kThreads>(storage, nothing, nothing, [&](
+        blk.template walk<Acc, ScoreSet, STAGES, false, QTile, kThreads, Tiles>(storage, nothing, nothing, [&](
             const HeadView& hv, const Scores<Acc, ScoreSet>& scores, BwdQueryTile& tile, int st, int next_hq, int next_i0) {
             const int i0 = tile.i0;
             const T* sQt = storage.q(st);
@@ -69,11 +85,18 @@ struct BwdWarp {
             constexpr int K_UNROLL = MI == 2 ? 2 : (FULL || !FUSED_DQ) && sizeof(Acc) == 8 ? 1 : 0;
             Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sK + 16 * MI * warp * LD, sQt, s_t);    // S^T = K Q^T
             Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sV + 16 * MI * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
-            tile.classify(blk, hv, scores);
+            tile.template classify<Tiles::kMask>(blk, hv, scores);
             // P' = P z into s_t and dS^T into dp_t, element by element. The fast tiles, nearly
             // all of them, carry no per-element test: the selecting loop is inlined twice, with
             // a constant FAST.
-            if constexpr (FULL) {
+            if constexpr (kStages<ScoreSet>) {
+                const OptionElements<Acc, ScoreSet, BLOCK_R, BLOCK_C, Tiles> el(
+                    blk, hv, scores, tile, r0, t, Tiles::transposed(storage.extra(), st, t, r0 - blk.j0),
+                    storage.lse(st), storage.delta(st));
+                const KeepBits<MI, NT> keep = scores.template keep_tile<MI, NT, true>(i0 + 2 * t, r0);
+                by_tile(tile.fast, [&](const bool FAST) { el.probabilities(FAST, s_t); });
+                by_tile(tile.fast, [&](const bool FAST) { el.gradients(FAST, dropout_scale, keep, s_t, dp_t); });
+            } else if constexpr (FULL) {
                 full_elements(blk, hv, scores, tile, r0, t, storage.lse(st), storage.delta(st), dropout_scale,
                               scores.template keep_tile<MI, NT, true>(i0 + 2 * t, r0), s_t, dp_t);
             } else {
@@ -104,7 +127,7 @@ struct BwdWarp {
             }
             if (STAGES == 1 && next_hq < blk.group) {
                 __syncthreads();  // every warp is done with the stage
-                blk.template load_queries<QTile, kThreads>(storage, next_hq, next_i0, 0);
+                blk.template load_queries<QTile, kThreads, Tiles>(storage, next_hq, next_i0, 0);
             }
         });
         store_dkdv<T>(blk, r0, t, static_cast<Acc>(p.scale), min(CH, bp.d_true - blk.c0), min(CH, p.dv - blk.c0), dk,

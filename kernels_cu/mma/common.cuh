@@ -124,4 +124,7 @@ __device__ __forceinline__ void each_pair(Acc (&s)[MI][NP][4], F f) {
 // Whether a policy is 3xTF32 (MmaTf32<true, MI>, sm_80+): split fragments, the tightest registers.
 template <typename Policy> constexpr bool kSplitTf32 = false;
 
+// Whether a policy is SIMT (Simt<T, Acc>: the portable kernels, with or without cp.async).
+template <typename Policy> constexpr bool kSimt = false;
+
 }  // namespace flash

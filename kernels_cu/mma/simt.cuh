@@ -53,4 +53,6 @@ struct Simt : PassP<AccT> {
     }
 };
 
+template <typename T, typename AccT> constexpr bool kSimt<Simt<T, AccT>> = true;
+
 }  // namespace flash
