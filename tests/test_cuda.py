@@ -475,13 +475,14 @@ def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
     _check_backward(case)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype, d", [(F32, 64), (F32, 128), (F64, 64), (F64, 128)])
 @given(data=st.data())
 @settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)  # a kernel per option set drawn
-def test_warp_backward_staged_options_match_reference(d, data) -> None:
-    """The one-role warp dK/dV kernel (3xTF32) with the bias or the mask staged with each query
-    tile (BwdWarp's Staged, OptionElements' two passes): every shape of them, partial tiles,
-    GQA, fully masked rows and tiles, the band, lengths and the other options beside them."""
+def test_warp_backward_staged_options_match_reference(dtype, d, data) -> None:
+    """The one-role warp dK/dV kernel (3xTF32, DMMA) with the bias or the mask staged with each
+    query tile (BwdWarp's Staged, OptionElements' two passes): every shape of them, partial
+    tiles, GQA, fully masked rows and tiles, the band, lengths and the other options beside
+    them."""
     b, hq, hk = 2, 2, 1
     lq = data.draw(st.sampled_from([1, 33, 130, 300]), label="lq")
     lk = data.draw(st.sampled_from([1, 63, 129, 257]), label="lk")
@@ -490,13 +491,13 @@ def test_warp_backward_staged_options_match_reference(d, data) -> None:
     others = data.draw(st.lists(st.sampled_from(["block_mask", "alibi", "dropout"]), max_size=2, unique=True),
                        label="others")
     options = _drawn_options(data, rs, staged + others, b, hq, lq, lk, (F32, F64, F16))
-    case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=F32, **options)
+    case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=dtype, **options)
     bias = options.get("bias")
     scores = ScoreSet.of(bias_dtype=None if bias is None else bias.dtype.name, mask="mask" in options,
                          block_mask="block_mask" in options, alibi="alibi_slopes" in options,
                          dropout="dropout_p" in options)
     arch, smem = cuda.device_limits(cupy.cuda.Device().id)
-    spec = select_backward("float32", d, d, arch, smem, scores=scores)
+    spec = select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=scores)
     assert spec.mainloop == "BwdWarp" and spec.stages_scores
     _check_backward(case)
 

@@ -36,16 +36,17 @@ struct BwdWarp {
     static constexpr int DS_ELEMS = FUSED_DQ ? BLOCK_R * LDS : 0;
     using SharedStorage = DkdvStorage<T, PElem, Acc, KTile::ELEMS, QTile::ELEMS, STAGES, 0, DS_ELEMS, BLOCK_C, 0>;
     // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q (read per score
-    // from global memory, a bias or mask about doubled the float32 backward's time), for the
-    // sets OptionElements takes (no softcap), but a bias, a mask and dropout together (as
-    // BwdWgmma), on the float16, bfloat16 and TF32 tensor cores; not beside 3xTF32's split
-    // fragments with a bias and a mask (8 bytes spill at D = 64), nor for float64 (8-24 bytes
-    // spill at D = 64) or SIMT. flashcupy/cuda/spec.py's BackwardSpec.stages_scores mirrors this.
+    // from global memory, a bias or mask about doubled the float32 and float64 backward's
+    // time), for the sets OptionElements takes (no softcap), but a bias, a mask and dropout
+    // together (as BwdWgmma), on the tensor cores; not beside 3xTF32's split fragments with a
+    // bias and a mask (8 bytes spill at D = 64), nor SIMT. float64 at D = 64 spills 8-24
+    // bytes staged and still runs 1.3-1.6x faster than reading per score (bench/NOTES.md,
+    // 'Backward: score options'). flashcupy/cuda/spec.py's BackwardSpec.stages_scores mirrors this.
     static constexpr unsigned kStagedMods = kModBias | kModMask;
     template <typename Set>
     static constexpr bool kStages = kTwoPassElements<Set> && (Set::kMods & kStagedMods) != 0
                                     && (Set::kMods & (kStagedMods | kModDropout)) != (kStagedMods | kModDropout)
-                                    && sizeof(Acc) == 4 && !kSimt<Policy>
+                                    && !kSimt<Policy>
                                     && !(kSplitTf32<Policy> && (Set::kMods & kStagedMods) == kStagedMods);
     template <typename Set>
     using Staged = typename StagedOr<kStages<Set>, ScoreTiles<Set, BLOCK_C, BLOCK_R, STAGES, true>>::type;
