@@ -91,7 +91,7 @@ def test_keys_leave_out_dropout_array_options_and_other_kinds() -> None:
     assert table.find(q, k, v, {"scale": np.float64(0.5)}) == (None, None)  # not plain data: validated in full
     assert table.find(q.tolist(), k, v, {}) == (None, None)
     assert table.find(q, k, v, {"dropout_p": 0.0})[0] is not None
-    assert table.find(q, k, v, {"sinks": 0.5}) == (None, None)  # folded in after the kernels: never planned
+    assert table.find(q, k, v, {"sinks": 0.5}) == (None, None)  # an array option: never planned
     assert table.find(q, k, v, {"window": (2, 3)})[0][1] is None  # clamped to the lengths: exact keys only
     assert table.find(q[0], k[0], v[0], {})[0][1] is None  # 3-D: exact keys only
 

@@ -321,7 +321,7 @@ def test_forward_plans_are_the_kept_blocks_of_their_layout(monkeypatch) -> None:
 
 def test_array_options_given_as_numbers_or_tuples_are_never_planned_or_cached() -> None:
     """sinks=0.5 or a tuple of slopes are array options: validated in full every call (their
-    arrays are made then) and never a planned call's (sinks are folded in after the kernels)."""
+    arrays are made then) and never a planned call's (a plan fills in no option array)."""
     for options in ({"sinks": 0.5}, {"sinks": (0.1, 0.2)}, {"alibi_slopes": 0.25}, {"bias": 1.0},
                     {"q_lengths": 3}, {"kv_lengths": (2, 3)}):
         assert problems.option_signature(options) is None, options

@@ -651,7 +651,7 @@ def forward_plan(pb: Problem) -> CallPlan | None:
     device, with the caller's allocator: the block may be packed again, :func:`_kept_forward`):
     operands q, k, v; results out and lse in the caller's shapes. None where the layout keeps
     no block (:func:`_layout_key`) or copies rows as no contiguous copy can stand for."""
-    if pb.sinks is not None:  # folded in after the kernels (flashcupy/sinks.py): not a plan's work
+    if pb.sinks is not None:  # the block points to the sinks, an array no plan fills in
         return None
     plan, _ = _kept_forward(pb)
     results = [(_caller_shape(pb, pb.out_shape), pb.dtype, True),
