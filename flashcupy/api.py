@@ -192,8 +192,9 @@ def flash_attention(
         mask: bool, broadcastable to (..., Hq, Lq, Lk); True = attend.
         bias: float, broadcastable to (..., Hq, Lq, Lk); added to the scores.
         alibi_slopes: broadcastable to (..., Hq); adds -slope * |i + Lk - Lq - j|.
-            Host slopes must be finite; GPU slopes of a GPU call stay on the GPU, their
-            values not checked (no copy back, no wait for the GPU).
+            Host slopes must be finite; slopes on the GPU of a GPU call stay there, their
+            values not checked (no copy back, no wait for the GPU; NaN or inf give NaN
+            rows, and a fallback to the CPU checks them).
         sinks: attention sinks, real logits broadcastable to (..., Hq): each row of
             head (..., h) gets exp(sink) added to its softmax denominator, lse =
             log(exp(sink) + sum_j exp(s_ij)), and the sink takes no value (a row

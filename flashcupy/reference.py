@@ -141,7 +141,8 @@ def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
         # The sink joins the denominator of every row inside q_len (padded rows take none).
         rows = np.arange(pb.seqlen_q) < q_len[..., None, None]
         sink = np.where(rows, np.asarray(pb.sinks, np.float64)[..., None], -np.inf)
-        lse = np.logaddexp(lse, sink)
+        with np.errstate(invalid="ignore"):  # a NaN sink gives its rows NaN
+            lse = np.logaddexp(lse, sink)
     # A fully masked row has lse = -inf; subtracting 0 instead gives exp(-inf) = 0, never NaN.
     lse_safe = np.where(lse == -np.inf, 0.0, lse)
     p = np.exp(s - lse_safe[..., None])
@@ -159,6 +160,8 @@ def _forward(pb: Problem, compute_dtype: Any = np.float64) -> _Forward:
         p = np.where(finite[..., None], e / np.where(finite, den, 1.0)[..., None], p)
         if sink is not None:
             p_sink = np.where(rows & finite, e_sink / np.where(finite, den, 1.0), 0.0)
+    # A row with no live score takes no value, whatever its sink (a NaN sink made p NaN there).
+    p = np.where(np.all(s == -np.inf, axis=-1, keepdims=True), 0.0, p)
     p = rnd(p)
     zd = None
     pd = p

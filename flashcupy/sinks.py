@@ -55,7 +55,8 @@ def apply(pb: Problem, out: Any, lse: Any, xp: Any) -> Any:
     """Fold the problem's sinks into a forward's results: scales ``out`` (internal layout,
     owned by the caller) in place by exp(lse - lse') and returns lse' = logaddexp(lse, sink)."""
     sink = _row_sinks(pb, xp, lse.dtype)
-    new_lse = xp.logaddexp(lse, sink)
+    with np.errstate(invalid="ignore"):  # a NaN sink gives its rows NaN, as documented
+        new_lse = xp.logaddexp(lse, sink)
     # exp(lse - lse') in (0, 1]; where lse = -inf (no score survives, or a padded row) out
     # is 0 and the scale exp(-inf - 0) = 0 keeps it so. The product is taken in lse's dtype.
     scale = xp.exp(lse - xp.where(lse != -np.inf, new_lse, 0))

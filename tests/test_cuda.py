@@ -475,14 +475,14 @@ def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
     _check_backward(case)
 
 
-@pytest.mark.parametrize("dtype, d", [(F32, 64), (F32, 128), (F64, 64), (F64, 128)])
+@pytest.mark.parametrize("dtype, d", [(F32, 64), (F32, 128), (F64, 64), (F64, 128), (F16, 32)])
 @given(data=st.data())
 @settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)  # a kernel per option set drawn
 def test_warp_backward_staged_options_match_reference(dtype, d, data) -> None:
-    """The one-role warp dK/dV kernel (3xTF32, DMMA) with the bias or the mask staged with each
-    query tile (BwdWarp's Staged, OptionElements' two passes): every shape of them, partial
-    tiles, GQA, fully masked rows and tiles, the band, lengths and the other options beside
-    them."""
+    """The one-role warp dK/dV kernel (3xTF32, DMMA, and mma.sync with two 16-key groups a warp
+    at D = 32) with the bias or the mask staged with each query tile (BwdWarp's Staged,
+    OptionElements' two passes): every shape of them, partial tiles, GQA, fully masked rows
+    and tiles, the band, lengths and the other options beside them."""
     b, hq, hk = 2, 2, 1
     lq = data.draw(st.sampled_from([1, 33, 130, 300]), label="lq")
     lk = data.draw(st.sampled_from([1, 63, 129, 257]), label="lk")
@@ -500,6 +500,26 @@ def test_warp_backward_staged_options_match_reference(dtype, d, data) -> None:
     spec = select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=scores)
     assert spec.mainloop == "BwdWarp" and spec.stages_scores
     _check_backward(case)
+
+
+def test_tf32_backward_with_staged_bias_and_mask_close_to_reference() -> None:
+    """allow_tf32's backward (one TF32 product per product) with the bias and mask staged."""
+    rs = np.random.default_rng(12)
+    mask = rs.random((130, 129)) < 0.8
+    mask[7] = False
+    case = _case((2, 2, 130, 64), (2, 1, 129, 64), dtype=F32, causal=True,
+                 bias=rs.standard_normal((2, 1, 130, 129)).astype(F32), mask=mask)
+    arch, smem = cuda.device_limits(cupy.cuda.Device().id)
+    scores = ScoreSet.of(bias_dtype="float32", mask=True)
+    assert select_backward("float32", 64, 64, arch, smem, True, scores=scores).stages_scores
+    q, k, v, dout = (_device(x) for x in (case.q, case.k, case.v, case.dout))
+    options = _device_options(case.options)
+    out, lse = fc.flash_attention_forward(q, k, v, allow_tf32=True, backend="cuda", **options)
+    grads = fc.flash_attention_backward(dout, q, k, v, out, lse, allow_tf32=True, backend="cuda", **options)
+    ref, _ = case.references()
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        want = ref[name]
+        assert np.max(np.abs(g.get() - want)) <= 1e-2 * max(1.0, np.abs(want).max()), name
 
 
 def _structured_mask(rs: np.random.Generator, kind: str, shape: tuple[int, ...], tile: int) -> np.ndarray:

@@ -59,6 +59,24 @@ def test_masked_rows_take_the_sink_and_padded_rows_none(backend):
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nan_sink_on_a_row_with_no_key_gives_out_zero(backend):
+    """A row whose scores are all masked takes no value whatever its sink: a NaN sink gives
+    lse NaN and out 0 (the reference had given out NaN there)."""
+    rs = np.random.default_rng(9)
+    q, k, v = _qkv(rs, (1, 2, 4, 8), (1, 2, 6, 8), F32)
+    mask = np.ones((4, 6), bool)
+    mask[1] = False
+    sinks = np.array([np.nan, 0.5])
+    if backend == "reference":
+        out, lse = fc.attention_reference(q, k, v, mask=mask, sinks=sinks, return_lse=True)
+    else:
+        out, lse = fc.flash_attention(q, k, v, mask=mask, sinks=sinks, return_lse=True, backend=backend)
+    out, lse = fc.interop.to_numpy(out), fc.interop.to_numpy(lse)
+    assert np.all(out[0, :, 1] == 0) and np.isnan(lse[0, 0, 1]) and lse[0, 1, 1] == 0.5
+    assert np.all(np.isnan(out[0, 0, [0, 2, 3]])) and np.all(np.isfinite(out[0, 1]))
+
+
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_huge_sink_leaves_nothing_and_tiny_sink_changes_nothing(backend):
     rs = np.random.default_rng(2)

@@ -64,7 +64,7 @@ def make_device_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Prob
     """:func:`make_problem` on CuPy arrays on q's device (CuPy's current device for host q).
 
     q, k, v, mask, bias, block_mask and sinks move to the device (zero copy when already
-    there), and ALiBi slopes already on a GPU stay there; lengths, host slopes and
+    there), and ALiBi slopes already on q's device stay there; lengths, other slopes and
     cu_seqlens are validated on the host.
     """
     import cupy
@@ -77,8 +77,9 @@ def make_device_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Prob
     device = interop.to_device(q).device.id if interop.is_gpu_array(q) else cupy.cuda.Device().id
     arrays = {name: device_array(name, x, device) for name, x in (("q", q), ("k", k), ("v", v))}
     device_options = {n: device_array(n, options[n], device) for n in DEVICE_ARRAY_OPTIONS if options.get(n) is not None}
-    if interop.is_gpu_array(options.get("alibi_slopes")):  # read on the device as given: no copy back
-        device_options["alibi_slopes"] = device_array("alibi_slopes", options["alibi_slopes"], device)
+    slopes = options.get("alibi_slopes")
+    if interop.is_gpu_array(slopes) and interop.to_device(slopes).data.device_id == device:
+        device_options["alibi_slopes"] = device_array("alibi_slopes", slopes, device)  # no copy back
     host = _host_options(options, DEVICE_ARRAY_OPTIONS + tuple(device_options))
     return make_problem(arrays["q"], arrays["k"], arrays["v"], {**options, **host, **device_options}, xp=cupy)
 
