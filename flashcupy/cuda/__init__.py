@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import rng
+from .. import interop, rng
 from ..problem import Problem, accumulator_dtype
 from . import params as P
 from .compile import ThreadBlocks, bind_context, get_function, launch_ptr
@@ -250,6 +250,15 @@ def _run(launch: Launch, device_id: int, block: bytearray) -> None:
                  launch.threads, block, launch.smem_bytes)
 
 
+def per_head(x: Any, heads: tuple[int, int], xp) -> Any:
+    """A per-head option (ALiBi slopes, sinks: a host or device (*batch, Hq) view) as the
+    kernels read it: a contiguous float64 array of ``heads`` = (B, Hq) in ``xp``, laid out
+    where the values are and then moved."""
+    src = interop.array_module(x)
+    return xp.asarray(src.ascontiguousarray(src.broadcast_to(src.asarray(x, dtype=np.float64).reshape(-1, heads[1]),
+                                                             heads)))
+
+
 def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0,
                     maps: tuple[TileMap, ...] = ()) -> tuple[np.void, list]:
     """The Params block of a problem whose operands (from :func:`_rows`) and output (merged)
@@ -283,14 +292,11 @@ def _problem_params(pb: Problem, q, k, v, out, lse, xp, row_blocks: int = 0,
     if pb.rng_state is not None:
         keep_alive.append(pb.rng_state)
         fields["rng_state"] = pb.rng_state.data.ptr
-    if pb.alibi_slopes is not None:
-        slopes = xp.ascontiguousarray(xp.asarray(pb.alibi_slopes, dtype=np.float64)).reshape(batch, pb.num_heads_q)
-        keep_alive.append(slopes)
-        fields.update(alibi=slopes.data.ptr, alibi_sb=pb.num_heads_q, alibi_sh=1)
-    if pb.sinks is not None and row_blocks:  # the forward's epilogue folds them in (kernels_cu/epilogue.cuh)
-        logits = xp.ascontiguousarray(xp.asarray(pb.sinks, dtype=np.float64)).reshape(batch, pb.num_heads_q)
-        keep_alive.append(logits)
-        fields.update(sinks=logits.data.ptr, sinks_sb=pb.num_heads_q, sinks_sh=1)
+    # ALiBi slopes, and the sinks the forward's epilogue folds in (kernels_cu/epilogue.cuh)
+    for name, x in (("alibi", pb.alibi_slopes), ("sinks", pb.sinks if row_blocks else None)):
+        if x is not None:
+            keep_alive.append(per_head(x, (batch, pb.num_heads_q), xp))
+            fields.update({name: keep_alive[-1].data.ptr, f"{name}_sb": pb.num_heads_q, f"{name}_sh": 1})
     left, right = pb.window if pb.window is not None else (None, None)
     params = P.pack(
         q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..problem import Problem, accumulator_dtype
-from . import _dtype_name, _elem_strides, _empty, device_limits
+from . import _dtype_name, _elem_strides, _empty, device_limits, per_head
 from . import params as P
 from .compile import KeptBlock, ThreadBlocks, bind_context, get_function, launch_ptr
 from .spec import CXX_TYPE
@@ -389,9 +389,4 @@ def score_arrays(pb: Problem, heads: tuple[int, int]) -> tuple[Any, Any]:
     arrays for heads = (B, Hq), or None for an option not in use."""
     import cupy as cp
 
-    alibi = sinks = None
-    if pb.alibi_slopes is not None:
-        alibi = cp.ascontiguousarray(cp.broadcast_to(cp.asarray(pb.alibi_slopes, dtype=np.float64), heads))
-    if pb.sinks is not None:
-        sinks = cp.ascontiguousarray(cp.broadcast_to(cp.asarray(pb.sinks, dtype=np.float64), heads))
-    return alibi, sinks
+    return tuple(None if x is None else per_head(x, heads, cp) for x in (pb.alibi_slopes, pb.sinks))
