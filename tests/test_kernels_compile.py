@@ -566,6 +566,43 @@ def test_wgmma_backward_takes_only_option_sets_that_compile_without_spills():
     check_report("".join(logs), list(specs.values()), 90)
 
 
+@pytest.mark.compile_matrix
+def test_every_option_set_instantiates_the_one_role_backward():
+    """BackwardSpec.stages_scores and dkdv_smem_bytes mirror BwdWarp's Staged (which sets copy
+    their bias and mask tiles, and the bytes), and flash_bwd_dkdv's static_assert compares the
+    two: NVRTC's front end instantiates the one-role dK/dV kernel of every option set, each
+    bias dtype, every dtype, head dim, TF32 and determinism choice, on sm_86 (the smallest
+    shared memory: the most tile choices). The matrix above compiles only the plain set and
+    every option at once."""
+    from itertools import combinations
+
+    from flashcupy.cuda import spec as S
+
+    problem = nvrtc_problem()
+    if problem:
+        _unavailable(problem)
+    arch, names = 86, set()
+    for size in range(len(S.SCORE_MODS) + 1):
+        for mods in combinations(S.SCORE_MODS, size):
+            for bias in (("float16", "float32", "float64") if "bias" in mods else (None,)):
+                for dtype in S.CXX_TYPE:
+                    for d in S.HEAD_DIM_BUCKETS:
+                        for tf32, deterministic in ((False, False), (False, True), (True, False)):
+                            call = S.Call(dtype, d, arch, S.ARCH_SMEM[arch], tf32, False, S.ScoreSet(mods, bias),
+                                          deterministic)
+                            try:
+                                spec = S.choose_backward(call).spec
+                            except S.NoKernelError:  # wide float64 heads on sm_86: the CPU's
+                                continue
+                            if spec.mainloop == "BwdWarp":
+                                names.add(spec.dkdv_name)
+    assert len(names) > 1000, len(names)
+    names = sorted(names)
+    chunks = [names[i:i + 200] for i in range(0, len(names), 200)]
+    with concurrent.futures.ProcessPoolExecutor(max_workers=_workers(len(chunks))) as pool:
+        list(pool.map(_compile, [True] * len(chunks), ["backward"] * len(chunks), chunks, [arch] * len(chunks)))
+
+
 def _decode_kernels(arch: int) -> list[str]:
     """The decode kernels (kernels_cu/flash_decode.cu) a call can reach on ``arch``: mma.sync
     for 16-bit on sm_80+ at every head-dim pair (cp.async copies, and on sm_90 tensor copies
