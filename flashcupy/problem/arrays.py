@@ -77,9 +77,10 @@ def make_device_problem(q: Any, k: Any, v: Any, options: dict[str, Any]) -> Prob
     device = interop.to_device(q).device.id if interop.is_gpu_array(q) else cupy.cuda.Device().id
     arrays = {name: device_array(name, x, device) for name, x in (("q", q), ("k", k), ("v", v))}
     device_options = {n: device_array(n, options[n], device) for n in DEVICE_ARRAY_OPTIONS if options.get(n) is not None}
-    slopes = options.get("alibi_slopes")
-    if interop.is_gpu_array(slopes) and interop.to_device(slopes).data.device_id == device:
-        device_options["alibi_slopes"] = device_array("alibi_slopes", slopes, device)  # no copy back
+    if interop.is_gpu_array(options.get("alibi_slopes")):
+        slopes = interop.to_device(options["alibi_slopes"])  # zero copy
+        if slopes.data.device_id == device:  # read on the device as given: no copy back
+            device_options["alibi_slopes"] = slopes
     host = _host_options(options, DEVICE_ARRAY_OPTIONS + tuple(device_options))
     return make_problem(arrays["q"], arrays["k"], arrays["v"], {**options, **host, **device_options}, xp=cupy)
 
