@@ -502,6 +502,28 @@ def test_warp_backward_staged_options_match_reference(dtype, d, data) -> None:
     _check_backward(case)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@given(data=st.data())
+@settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)  # a kernel per option set drawn
+def test_hopper_backward_staged_bias_mask_dropout_match_reference(dtype, data) -> None:
+    """The wgmma dK/dV kernel at D = 64 with a bias, a mask and dropout together, their tiles
+    staged with Q (BwdWgmma's Staged): every broadcast shape and bias dtype, ALiBi and a block
+    mask beside them, partial tiles, GQA, fully masked rows and tiles, the band, lengths."""
+    arch, smem = _sm90_limits("wgmma kernels need")
+    b, hq, hk, d = 2, 2, 1, 64
+    lq = data.draw(st.sampled_from([1, 65, 130, 300]), label="lq")
+    lk = data.draw(st.sampled_from([1, 63, 129, 257]), label="lk")
+    rs = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="values"))
+    others = data.draw(st.lists(st.sampled_from(["block_mask", "alibi"]), unique=True), label="others")
+    options = _drawn_options(data, rs, ["bias", "mask", "dropout"] + others, b, hq, lq, lk, (dtype, F32, F64))
+    case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=dtype, **options)
+    scores = ScoreSet.of(bias_dtype=options["bias"].dtype.name, mask=True, block_mask="block_mask" in options,
+                         alibi="alibi_slopes" in options, dropout=True)
+    spec = select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=scores)
+    assert spec.policy == "wgmma" and spec.stages_scores
+    _check_backward(case)
+
+
 def test_tf32_backward_with_staged_bias_and_mask_close_to_reference() -> None:
     """allow_tf32's backward (one TF32 product per product) with the bias and mask staged."""
     rs = np.random.default_rng(12)

@@ -411,18 +411,19 @@ class BackwardSpec:
     @property
     def stages_scores(self) -> bool:
         """Whether the dK/dV kernel copies each query tile's bias and mask windows into shared
-        memory with its Q (the mainloops' Staged): sets with options but softcap and not a
-        bias, a mask and dropout together (they spill), on wgmma (kernels_cu/mainloop/
-        bwd_wgmma.cuh) up to a padded head dim of 128 in its two element passes (gradient
-        chunks of 64 columns, or no bias and no dropout), on the one-role warp kernels
-        (bwd_warp.cuh) of mma16, tf32, tf32x3 (not with a bias and a mask together) and dmma
-        with a bias or a mask; the rest read them per score."""
+        memory with its Q (the mainloops' Staged): sets with options but softcap, on wgmma
+        (kernels_cu/mainloop/bwd_wgmma.cuh) up to a padded head dim of 128 in its two element
+        passes (gradient chunks of 64 columns, or no bias and no dropout), on the one-role warp
+        kernels (bwd_warp.cuh) of mma16, tf32, tf32x3 (not with a bias and a mask together) and
+        dmma with a bias or a mask, but not a bias, a mask and dropout together (they spill);
+        the rest read them per score."""
         mods = set(self.scores.mods)
-        if not self.scores.full or "softcap" in mods or {"bias", "mask", "dropout"} <= mods:
+        if not self.scores.full or "softcap" in mods:
             return False
         if self.policy == "wgmma":
             return self.head_dim <= 128 and (self.kv_chunk <= 64 or not mods & {"bias", "dropout"})
-        return (self.mainloop == "BwdWarp" and self.policy in ("mma16", "tf32", "tf32x3", "dmma") and bool(mods & {"bias", "mask"})
+        return (not {"bias", "mask", "dropout"} <= mods and self.mainloop == "BwdWarp"
+                and self.policy in ("mma16", "tf32", "tf32x3", "dmma") and bool(mods & {"bias", "mask"})
                 and not (self.policy == "tf32x3" and {"bias", "mask"} <= mods))
 
     @property

@@ -39,14 +39,13 @@ struct BwdWgmma {
     template <typename Set>
     static constexpr bool kTwoPass = kTwoPassElements<Set> && (CH <= 64 || (Set::kMods & (kModBias | kModDropout)) == 0);
     // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q by the two-pass
-    // sets at D <= 128 (a bias there in 64-column chunks), but for a bias, a mask and dropout
-    // together (beside those three, and at D = 256, the copy's addresses and the reads spill:
-    // the two passes read them per score from global memory). Copied element by element in a
+    // sets at D <= 128 (a bias there in 64-column chunks; a bias, a mask and dropout together
+    // reach this kernel at D = 64 only). At D = 256 the copy's addresses and the reads spill:
+    // the two passes read them per score from global memory. Copied element by element in a
     // rolled loop where a view's rows are not aligned. flashcupy/cuda/spec.py's
     // BackwardSpec.stages_scores mirrors this.
     template <typename Set>
-    static constexpr bool kStages = kTwoPass<Set> && HD <= 128
-                                    && (Set::kMods & (kModBias | kModMask | kModDropout)) != (kModBias | kModMask | kModDropout);
+    static constexpr bool kStages = kTwoPass<Set> && HD <= 128;
     template <typename Set>
     using Staged = typename StagedOr<kStages<Set>, ScoreTiles<Set, BLOCK_C, BLOCK_R, STAGES, true>>::type;
     // Whole tiles inside the band take the fast element passes beside a staged mask too (the
