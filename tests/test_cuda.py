@@ -405,9 +405,9 @@ def test_hopper_backward_matches_reference(dtype, shape, options) -> None:
 
 
 #: (dtype, head dim) of the wgmma backward's element passes with score options: two passes
-#: with the bias and mask read ahead of the products (64), two passes reading them in the
-#: first (128, at most two options), full_elements' one pass (softcap everywhere; 256 with a
-#: bias or dropout).
+#: with the bias and mask staged with Q (64; 128 in 64-column chunks with a bias or with sets
+#: too large for 128-wide dK and dV), two passes reading them in the first (128, at most two
+#: options), full_elements' one pass (softcap everywhere; 256 with a bias or dropout).
 HOPPER_OPTION_BACKWARDS = ((F16, 64), (BF16, 64), (F16, 128), (BF16, 256))
 
 
@@ -456,13 +456,15 @@ def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
     lq = data.draw(st.sampled_from([1, 65, 130, 300]), label="lq")
     lk = data.draw(st.sampled_from([1, 63, 129, 257]), label="lk")
     rs = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="values"))
-    most = 6 if d <= 64 else 2  # spec.wgmma_backward_takes: above D = 64 at most two options,
     names = data.draw(st.lists(st.sampled_from(["bias", "mask", "block_mask", "alibi", "softcap", "dropout"]),
-                               min_size=1, max_size=most, unique=True), label="options")
-    if d > 64 and "dropout" in names and not set(names) <= {"dropout", "bias"}:
+                               min_size=1, max_size=6, unique=True), label="options")
+    wide = d > 128 or set(names) & {"softcap", "block_mask"}  # spec.wgmma_backward_takes: no chunks
+    if d > 64 and wide:
+        del names[2:]  # at most two options
+    if d > 64 and wide and "dropout" in names and not set(names) <= {"dropout", "bias"}:
         names.remove("dropout")  # dropout alone or beside a bias
-    if d > 64 and set(names) in ({"mask", "block_mask"}, {"softcap", "mask"}):
-        names.remove("mask")  # these pairs take mma.sync above D = 64
+    if d > 64 and wide and set(names) in ({"mask", "block_mask"}, {"softcap", "mask"}):
+        names.remove("mask")  # these pairs take mma.sync
     if {"softcap", "dropout"} <= set(names) and set(names) & {"mask", "block_mask"}:
         names.remove("dropout")  # softcap, dropout and a mask take mma.sync (spec.wgmma_backward_takes)
     options = _drawn_options(data, rs, names, b, hq, lq, lk, (dtype, F32, F64))

@@ -644,15 +644,17 @@ class BackwardRule:
 @dataclass(frozen=True)
 class _WgmmaBackwardRule(BackwardRule):
     """The warpgroup dK/dV kernel: two warpgroups of 64 keys; up to D = 128 the whole head
-    in one chunk, D = 256 in two (S^T and dP^T recomputed per chunk), and D = 128 with a bias
-    but no softcap in two of 64 columns too (128-wide dK and dV leave a bias no registers for
+    in one chunk, D = 256 in two (S^T and dP^T recomputed per chunk), and D = 128 in two of 64
+    columns too with a bias but no softcap (128-wide dK and dV leave a bias no registers for
     the two element passes and its staged tiles: one pass reading it per score ran at 3.5x the
-    plain backward; softcap keeps one pass either way); 128-query tiles at D <= 64 without score options, 64 otherwise; two stages
-    where they fit."""
+    plain backward; softcap keeps one pass either way) and with the option sets 128-wide dK
+    and dV spill beside (:func:`wgmma_backward_takes`); 128-query tiles at D <= 64 without
+    score options, 64 otherwise; two stages where they fit."""
 
     def candidates(self, call: Call) -> list[BackwardSpec]:
         mods = call.scores.mods
-        chunk = 64 if call.hd == 128 and "bias" in mods and "softcap" not in mods else min(call.hd, 128)
+        chunk = 64 if call.hd == 128 and (("bias" in mods and "softcap" not in mods)
+                                          or not _wgmma_backward_takes_wide(call.scores)) else min(call.hd, 128)
         spec = BackwardSpec(call.dtype, "wgmma", call.hd, call.hd, chunk, 128,
                             128 if call.hd <= 64 and not call.full else 64, True, 2, call.scores, 1)
         return [spec if spec.smem_bytes <= call.smem_limit else dataclasses.replace(spec, stages=1)]
@@ -660,15 +662,24 @@ class _WgmmaBackwardRule(BackwardRule):
 
 def wgmma_backward_takes(hd: int, scores: ScoreSet) -> bool:
     """Whether the warpgroup dK/dV kernel takes calls of padded head dim ``hd`` with the
-    options ``scores`` without a spill (ptxas, sm_90; 64-query tiles with options): at D = 64
-    every set but softcap with dropout and a mask or block mask (4 bytes spill beside the one
-    element pass); above, at most two options, dropout only alone or beside a bias, and neither
-    a mask beside a block mask nor softcap beside a mask (12 and 32 bytes spill; more options
-    spill beside the 128-wide dK and dV). The others take mma.sync.
-    tests/test_kernels_compile.py compiles every set this admits."""
+    options ``scores`` (ptxas, sm_90, no spill; 64-query tiles with options): at D = 64 every
+    set but softcap with dropout and a mask or block mask (4 bytes spill beside the one
+    element pass); at D = 256 the sets of :func:`_wgmma_backward_takes_wide`; at D = 128
+    those, and in 64-column chunks every set without softcap or a block mask (with them the
+    chunks, each recomputing S^T and dP^T, ran slower than mma.sync: bench/NOTES.md,
+    'Backward: score options'). The others take mma.sync. tests/test_kernels_compile.py
+    compiles every set this admits."""
     mods = set(scores.mods)
     if hd <= 64:
         return not ({"softcap", "dropout"} <= mods and mods & {"mask", "block_mask"})
+    return _wgmma_backward_takes_wide(scores) or (hd <= 128 and not mods & {"softcap", "block_mask"})
+
+
+def _wgmma_backward_takes_wide(scores: ScoreSet) -> bool:
+    """The option sets 128-column dK and dV leave registers for (ptxas, sm_90): at most two
+    options, dropout only alone or beside a bias, and neither a mask beside a block mask nor
+    softcap beside a mask (12 and 32 bytes spill; more options spill)."""
+    mods = set(scores.mods)
     if "dropout" in mods:
         return mods <= {"dropout", "bias"}
     return len(mods) <= 2 and mods not in ({"mask", "block_mask"}, {"softcap", "mask"})
