@@ -49,8 +49,9 @@ struct OnlineSoftmax {
         auto fold_max = [&](Acc& s, int i, int) { row_max[i / 8] = max_acc(row_max[i / 8], s); };
         const bool crosses = !tile_inside_band(p, hv, i0, i1, jt0, jt1);
         // A fast tile (whole, crossing no band edge, no block mask present) selects nothing
-        // but what the mask, read from its staged tile, says: nothing either where the mask
-        // keeps the tile whole (the tile map's word; its mask was not copied).
+        // but what the mask, read from its staged tile, says: nothing either where the masks
+        // keep the tile whole (the tile map's word; its mask was not copied). Other tiles the
+        // masks keep whole read no block mask either (`mask` false).
         const bool fast = !Sc::kBlockMask && jt1 - jt0 == 8 * NP && !crosses;
         if constexpr (Sc::kFull) {
             // One copy of the options' passes for every tile, the selection skipped on fast ones

@@ -526,6 +526,28 @@ def test_hopper_backward_staged_bias_mask_dropout_match_reference(dtype, data) -
     _check_backward(case)
 
 
+@pytest.mark.parametrize("dtype, d", [(F16, 64), (BF16, 128), (F32, 64), (F64, 32)])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_block_mask_whole_tiles_match_reference(dtype, d, with_mask) -> None:
+    """Tiles the block mask (and the mask) keep whole take the fast element passes, forward
+    and backward (the tile maps' whole bit): blocks of 128 over every kernel's tiles, some
+    dropped, some kept, a mask kept whole in one corner and mixed elsewhere, partial tiles at
+    the ends, GQA, causal and not."""
+    rs = np.random.default_rng(d + with_mask)
+    lq, lk, bs = 300, 420, 128
+    block_mask = rs.random((2, -(-lq // bs), -(-lk // bs))) < 0.7
+    block_mask[:, 0, 0] = True
+    options = {"block_mask": block_mask, "block_size": bs}
+    if with_mask:
+        mask = rs.random((lq, lk)) < 0.9
+        mask[:128, :256] = True  # whole tiles beside a mask
+        options["mask"] = mask
+    for causal in (False, True):
+        case = _case((2, 2, lq, d), (2, 1, lk, d), dtype=dtype, data_seed=d, causal=causal, **options)
+        _check_forward(case)
+        _check_backward(case)
+
+
 def test_tf32_backward_with_staged_bias_and_mask_close_to_reference() -> None:
     """allow_tf32's backward (one TF32 product per product) with the bias and mask staged."""
     rs = np.random.default_rng(12)

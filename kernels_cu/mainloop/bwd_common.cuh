@@ -131,20 +131,22 @@ struct DkdvStorage {
 template <int BLOCK_R, int BLOCK_C>
 struct BwdKeyBlock;
 
-// One query tile of a dK/dV block: rows [i0, i1); once its products are issued, classify()
-// works out whether the block's keys see it whole and inside the band (`fast`: no element
-// needs a selection, but for the mask's own where MASK_STAGED: a mainloop whose fast element
-// pass reads the mask from its staged tile). The tile's head view and score modifiers are the
+// One query tile of a dK/dV block: rows [i0, i1), `whole` where the call's tile map says the
+// masks keep every score of it with the block's keys; once its products are issued,
+// classify() works out whether the block's keys see it whole and inside the band (`fast`: no
+// element needs a selection, but for the mask's own where MASK_STAGED: a mainloop whose fast
+// element pass reads the mask from its staged tile). The tile's head view and score modifiers are the
 // caller's locals (a struct holding both, one referring to the other, keeps the compiler from
 // placing them in registers).
 struct BwdQueryTile {
     int i0, i1;
+    bool whole;
     bool band;  // the tile crosses a causal or window edge
     bool fast;
 
     template <int BLOCK_R, int BLOCK_C>
-    __device__ __forceinline__ BwdQueryTile(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, int i0_)
-        : i0(i0_), i1(min(i0_ + BLOCK_C, blk.i_hi)) {}
+    __device__ __forceinline__ BwdQueryTile(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, int i0_, bool whole_ = false)
+        : i0(i0_), i1(min(i0_ + BLOCK_C, blk.i_hi)), whole(whole_) {}
 
     template <bool MASK_STAGED = false, int BLOCK_R, int BLOCK_C, typename Sc>
     __device__ __forceinline__ void classify(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
@@ -155,7 +157,11 @@ struct BwdQueryTile {
         // where lse < 0 and dQ = dS K came out NaN (tests/test_fuzz.py, fp16 scores of -6e4).
         const bool full_tile = i0 + BLOCK_C <= blk.i_hi && blk.j0 + BLOCK_R <= blk.hv0.kv_len;
         band = !tile_inside_band(blk.p, hv, i0, i1, blk.j0, blk.j0 + max(blk.keys_valid, 1));
-        fast = (!Sc::kMasks || (MASK_STAGED && !Sc::kBlockMask)) && full_tile && !band;
+        // Beside the masks, the fast element pass reads the mask only from its staged tile
+        // (MASK_STAGED; without, a second copy of the mask's pass would spill) and no block
+        // mask: it takes the tiles the block mask, if any, keeps whole.
+        constexpr bool kMask = (Sc::kMods & kModMask) != 0;
+        fast = (!Sc::kMasks || ((MASK_STAGED || !kMask) && (whole || !Sc::kBlockMask))) && full_tile && !band;
     }
 };
 
@@ -236,21 +242,24 @@ struct BwdKeyBlock {
     __device__ __forceinline__ void walk(Storage& storage, AfterFirst after_first, BeforeWait before_wait,
                                          Body body) const {
         int hq = 0, i0 = i_first, st = 0;
-        advance<Set>(hq, i0);
+        bool whole;
+        advance<Set>(hq, i0, whole);
         if (hq < group) load_queries<QTile, THREADS, Staged>(storage, hq, i0, 0);
         after_first();
         while (hq < group) {
             int next_hq = hq, next_i0 = i0 + BLOCK_C;
-            advance<Set>(next_hq, next_i0);
+            bool next_whole;
+            advance<Set>(next_hq, next_i0, next_whole);
             before_wait();
             wait_tiles<0, WARPGROUP>();  // tile (hq, i0) has landed; every warp is done with the other stage and dS^T
             if (STAGES == 2 && next_hq < group) load_queries<QTile, THREADS, Staged>(storage, next_hq, next_i0, st ^ 1);
             const HeadView hv = query_head(hq);
             const Scores<Acc, Set> scores(p, hv);
-            BwdQueryTile tile(*this, i0);
+            BwdQueryTile tile(*this, i0, whole);
             body(hv, scores, tile, st, next_hq, next_i0);
             hq = next_hq;
             i0 = next_i0;
+            whole = next_whole;
             st ^= STAGES - 1;
         }
         cp_async_wait<0>();
@@ -276,12 +285,15 @@ struct BwdKeyBlock {
 
     __device__ __forceinline__ HeadView query_head(int hq) const { return head_view(p, b * p.hq + hk * group + hq); }
 
-    // Moves (hq, i0) to the next query tile with a live score (hq == group: none left). Only
-    // masks rule out whole tiles, as the call's key-major tile map says (score/tile_map.cuh).
+    // Moves (hq, i0) to the next query tile with a live score (hq == group: none left), and
+    // whether the masks keep that tile whole. Only masks rule out whole tiles, as the call's
+    // key-major tile map says (score/tile_map.cuh).
     template <typename Set>
-    __device__ __forceinline__ void advance(int& hq, int& i0) const {
+    __device__ __forceinline__ void advance(int& hq, int& i0, bool& whole) const {
+        whole = false;
         while (hq < group) {
-            if constexpr (Set::kMasks) i0 = next_live_query_tile<BLOCK_C, BLOCK_R>(p, query_head(hq), j0, i0, i_hi);
+            if constexpr (Set::kMasks)
+                i0 = next_live_query_tile<BLOCK_C, BLOCK_R>(p, query_head(hq), j0, i0, i_hi, whole);
             if (i0 < i_hi) return;
             ++hq;
             i0 = i_first;
@@ -360,10 +372,9 @@ struct BwdElements {
 // (BwdWgmma::kTwoPass), once both products have landed: one pass and one copy (a second
 // spills beside it): P'^T = P^T z into s_t and dS^T into dp_t, with z =
 // keep / (1 - p) of dropout (keep: the tile's bits, Scores::keep_tile; dropout_scale =
-// 1 / (1 - p)), and dS through the modifiers'
-// derivative (dbias += dS, added by the block's first gradient chunk alone; softcap's chain
-// rule). A fast tile (no mask present, whole, inside the band) selects nothing: P =
-// exp2(value(S) - lse2). Otherwise masked scores and padding get P = 0 and dS = 0 by
+// 1 / (1 - p)), and dS through the modifiers' derivative (dbias += dS, added by the block's
+// first gradient chunk alone; softcap's chain rule). A fast tile (whole, inside the band, the
+// masks absent or keeping it whole) selects nothing: P = exp2(value(S) - lse2). Otherwise masked scores and padding get P = 0 and dS = 0 by
 // selection, whatever P and dP - D hold there (0 * an overflowed dP would be NaN), before
 // the derivative sees dS.
 template <typename Acc, typename Set, int MI, int NT, int BLOCK_R, int BLOCK_C>
@@ -469,8 +480,9 @@ struct OptionElements {
                         bool kept = FAST || ((Staged::kMask || (i < i1 && j < key_end)) && band(i, j));
                         if constexpr (Staged::kMask) kept = kept && ops.kept_at(dc, dj);
                         if constexpr ((Set::kMods & kModBlockMask) != 0) {
-                            // Read only where kept (&&): rows past the tile's may lie past the block mask's.
-                            kept = kept && score.op.block_unmasked(blk.p, i, j);
+                            // Read only where kept (&&): rows past the tile's may lie past the
+                            // block mask's; not on fast tiles, which the block mask keeps whole.
+                            kept = kept && (FAST || score.op.block_unmasked(blk.p, i, j));
                         }
                         const Acc x = score.op.value_at(score.capped(s), b, d) - sLse[c];
                         s = kept ? softmax_exp2(x) : Acc(0);

@@ -210,9 +210,10 @@ struct ScoreOp {
         }
     }
 
-    // values(), with `mask` -inf wherever the mask (from `ops`) says no, then, with `select`,
-    // -inf outside (q_len, j_end), outside the band where the tile crosses its edge
-    // (check_band), and wherever the block mask says no (read only inside (q_len, j_end)).
+    // values(), with `mask` (the masks do not keep the tile whole) -inf wherever the mask
+    // (from `ops`) says no, then, with `select`, -inf outside (q_len, j_end), outside the band
+    // where the tile crosses its edge (check_band), and, with `mask` too, wherever the block
+    // mask says no (read only inside (q_len, j_end)).
     template <int MI, int NP, typename Ops>
     __device__ __forceinline__ void tile(const Params& p, const HeadView& hv, Acc (&s)[MI][NP][4], int r0, int jt0,
                                          int t, int j_end, bool check_band, bool select, bool mask,
@@ -228,7 +229,7 @@ struct ScoreOp {
         if (!select) return;
         auto inside = [&](int i, int j) { return (i < hv.q_len) & (j < j_end); };
         const Band in_band(p, hv);
-        if constexpr ((M & kModBlockMask) != 0) {
+        if ((M & kModBlockMask) != 0 && mask) {
             each_element(s, r0, jt0, t, [&](Acc& x, int i, int j) {
                 x = inside(i, j) && block_unmasked(p, i, j) ? x : neg_inf<Acc>();
             });

@@ -63,12 +63,12 @@ struct Scores {
 
     // The log2-domain scores of a (16 MI, 8 NP) accumulator tile of raw products q.k, rows
     // from r0 and keys from jt0 (thread column t), keys from jt1 zero-filled padding; with
-    // `mask` (the tile is not kept whole), -inf wherever the mask says no (its staged tile is
-    // zero past the tile's rows and keys), and
-    // with `select`, rows from q_len and keys from jt1 masked and -inf wherever the band (where
-    // the tile `crosses` a causal or window edge) or the block mask says no. Without it (a
-    // fast tile: whole, inside the band, no block mask) nothing else is selected and rows past
-    // q_len are computed to be discarded; PlainScores always select (their fast tiles take the
+    // `mask` (the masks do not keep the tile whole), -inf wherever the mask says no (its
+    // staged tile is zero past the tile's rows and keys), and with `select`, rows from q_len
+    // and keys from jt1 masked and -inf wherever the band (where the tile `crosses` a causal
+    // or window edge) or (with `mask`) the block mask says no. Without it (a fast tile: whole,
+    // inside the band, no block mask) nothing else is selected and rows past q_len are
+    // computed to be discarded; PlainScores always select (their fast tiles take the
     // softmax's fused scale-and-max loop instead). SEQUENTIAL: PlainScores' band test in
     // TileBand's sequential form, for kernels without registers to spare.
     // The bias and mask come from the tile's staged operands `ops` (score/tiles.cuh).

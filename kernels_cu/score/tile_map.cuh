@@ -173,12 +173,17 @@ __device__ __forceinline__ KeyTile next_live_key_tile(const Params& p, const Hea
 }
 
 // The first query tile (of BLOCK_C queries) at or after query i (a multiple of BLOCK_C)
-// below i_hi that some score of key block j0 (a multiple of BLOCK_R) survives in, or i_hi.
+// below i_hi that some score of key block j0 (a multiple of BLOCK_R) survives in, or i_hi;
+// `whole`: the masks keep every score of that tile.
 template <int BLOCK_C, int BLOCK_R>
-__device__ __forceinline__ int next_live_query_tile(const Params& p, const HeadView& hv, int j0, int i, int i_hi) {
+__device__ __forceinline__ int next_live_query_tile(const Params& p, const HeadView& hv, int j0, int i, int i_hi,
+                                                    bool& whole) {
+    whole = false;
     if (i >= i_hi) return i_hi;
     const i32* row = p.tiles_t + hv.b * p.tt_sb + hv.h * p.tt_sh + (j0 / BLOCK_R) * p.tt_so;
-    return min(row[i / BLOCK_C] & ~kEntryWhole, i_hi);
+    const int entry = row[i / BLOCK_C];
+    whole = (entry & kEntryWhole) != 0;
+    return min(entry & ~kEntryWhole, i_hi);
 }
 
 }  // namespace flash
