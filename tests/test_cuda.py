@@ -527,21 +527,26 @@ def test_hopper_backward_staged_bias_mask_dropout_match_reference(dtype, data) -
 
 
 @pytest.mark.parametrize("dtype, d", [(F16, 64), (BF16, 128), (F32, 64), (F64, 32)])
-@pytest.mark.parametrize("with_mask", [False, True])
-def test_block_mask_whole_tiles_match_reference(dtype, d, with_mask) -> None:
-    """Tiles the block mask (and the mask) keep whole take the fast element passes, forward
-    and backward (the tile maps' whole bit): blocks of 128 over every kernel's tiles, some
-    dropped, some kept, a mask kept whole in one corner and mixed elsewhere, partial tiles at
-    the ends, GQA, causal and not."""
-    rs = np.random.default_rng(d + with_mask)
+@pytest.mark.parametrize("masks", ["block", "block+mask", "padding+softcap"])
+def test_tiles_kept_whole_match_reference(dtype, d, masks) -> None:
+    """Tiles the masks keep whole (the tile maps' whole bit) skip the block mask's reads and,
+    in the backward, take the fast element passes: blocks of 128 over every kernel's tiles,
+    some dropped, some kept, beside a mask kept whole in one corner and mixed elsewhere; a
+    key-padding mask beside softcap (one element pass); partial tiles, GQA, causal and not."""
+    rs = np.random.default_rng(d + len(masks))
     lq, lk, bs = 300, 420, 128
-    block_mask = rs.random((2, -(-lq // bs), -(-lk // bs))) < 0.7
-    block_mask[:, 0, 0] = True
-    options = {"block_mask": block_mask, "block_size": bs}
-    if with_mask:
+    options: dict = {}
+    if masks.startswith("block"):
+        block_mask = rs.random((2, -(-lq // bs), -(-lk // bs))) < 0.7
+        block_mask[:, 0, 0] = True
+        options.update(block_mask=block_mask, block_size=bs)
+    if masks == "block+mask":
         mask = rs.random((lq, lk)) < 0.9
         mask[:128, :256] = True  # whole tiles beside a mask
         options["mask"] = mask
+    if masks == "padding+softcap":
+        options["mask"] = np.arange(lk)[None, None, None, :] < np.array([lk, 333])[:, None, None, None]
+        options["softcap"] = 5.0
     for causal in (False, True):
         case = _case((2, 2, lq, d), (2, 1, lk, d), dtype=dtype, data_seed=d, causal=causal, **options)
         _check_forward(case)

@@ -135,9 +135,10 @@ struct BwdKeyBlock;
 // masks keep every score of it with the block's keys; once its products are issued,
 // classify() works out whether the block's keys see it whole and inside the band (`fast`: no
 // element needs a selection, but for the mask's own where MASK_STAGED: a mainloop whose fast
-// element pass reads the mask from its staged tile). The tile's head view and score modifiers are the
-// caller's locals (a struct holding both, one referring to the other, keeps the compiler from
-// placing them in registers).
+// element pass reads the mask from its staged tile; ONE_PASS: its element pass is one copy,
+// full_elements). The tile's head view and score modifiers are the caller's locals (a
+// struct holding both, one referring to the other, keeps the compiler from placing them in
+// registers).
 struct BwdQueryTile {
     int i0, i1;
     bool whole;
@@ -148,7 +149,7 @@ struct BwdQueryTile {
     __device__ __forceinline__ BwdQueryTile(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, int i0_, bool whole_ = false)
         : i0(i0_), i1(min(i0_ + BLOCK_C, blk.i_hi)), whole(whole_) {}
 
-    template <bool MASK_STAGED = false, int BLOCK_R, int BLOCK_C, typename Sc>
+    template <bool MASK_STAGED = false, bool ONE_PASS = false, int BLOCK_R, int BLOCK_C, typename Sc>
     __device__ __forceinline__ void classify(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
                                              const Sc& scores) {
         // Full tile: BLOCK_C queries and BLOCK_R keys, tested on the unclamped ends. CUDA 13's
@@ -157,11 +158,14 @@ struct BwdQueryTile {
         // where lse < 0 and dQ = dS K came out NaN (tests/test_fuzz.py, fp16 scores of -6e4).
         const bool full_tile = i0 + BLOCK_C <= blk.i_hi && blk.j0 + BLOCK_R <= blk.hv0.kv_len;
         band = !tile_inside_band(blk.p, hv, i0, i1, blk.j0, blk.j0 + max(blk.keys_valid, 1));
-        // Beside the masks, the fast element pass reads the mask only from its staged tile
-        // (MASK_STAGED; without, a second copy of the mask's pass would spill) and no block
-        // mask: it takes the tiles the block mask, if any, keeps whole.
+        // Beside the masks, a fast tile is one the masks keep whole, or, with a mask the fast
+        // pass reads from its staged tile (MASK_STAGED), one without a block mask. Where the
+        // element pass is inlined twice (by_tile), a mask neither staged nor ONE_PASS (the
+        // pass is one copy, full_elements) makes no tile fast: the fast copy would spill.
         constexpr bool kMask = (Sc::kMods & kModMask) != 0;
-        fast = (!Sc::kMasks || ((MASK_STAGED || !kMask) && (whole || !Sc::kBlockMask))) && full_tile && !band;
+        const bool masks_fast = !Sc::kMasks || (MASK_STAGED && !Sc::kBlockMask)
+                                || (whole && (MASK_STAGED || ONE_PASS || !kMask));
+        fast = masks_fast && full_tile && !band;
     }
 };
 

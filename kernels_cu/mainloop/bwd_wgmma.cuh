@@ -88,7 +88,7 @@ struct BwdWgmma {
             Policy::template qk_issue<BLOCK_R, HD, BLOCK_C>(sV, sdOt, dp_t);  // dP^T = V dO^T
             // Dropout's bits of the tile, drawn while S^T and dP^T run.
             const KeepBits<1, NT> keep = scores.template keep_tile<1, NT, true>(i0 + 2 * t, r0);
-            tile.template classify<kMaskFast<ScoreSet>>(blk, hv, scores);
+            tile.template classify<kMaskFast<ScoreSet>, FULL && !TWO_PASS>(blk, hv, scores);
             if constexpr (TWO_PASS) {
                 const OptionElements<Acc, ScoreSet, BLOCK_R, BLOCK_C, Tiles> el(
                     blk, hv, scores, tile, r0, t, Tiles::transposed(storage.extra(), st, t, r0 - blk.j0),
