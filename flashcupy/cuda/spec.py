@@ -62,6 +62,10 @@ FORCE_PORTABLE_ENV = "FLASHCUPY_FORCE_PORTABLE"
 #: 128 threads to divide the copied rows' chunks: 96 keeps mma.sync).
 WGMMA_HEAD_DIMS = (64, 128, 256)
 WGMMA_BACKWARD_HEAD_DIMS = (64, 128, 256)
+#: (padded head dim, option set) the warpgroup dK/dV kernel takes although ptxas spills, with
+#: the most bytes it may store: measured faster than the other kernels that could take them
+#: (:func:`wgmma_backward_takes`); tests/test_kernels_compile.py holds them to that figure.
+WGMMA_BACKWARD_SPILLS = {(128, ("softcap", "mask")): 32}
 WGMMA_TF32_HEAD_DIMS = (128,)
 
 #: Opt-in shared memory per block (bytes) of each architecture CI compiles for.
@@ -654,7 +658,7 @@ class _WgmmaBackwardRule(BackwardRule):
     def candidates(self, call: Call) -> list[BackwardSpec]:
         mods = call.scores.mods
         chunk = 64 if call.hd == 128 and (("bias" in mods and "softcap" not in mods)
-                                          or not _wgmma_backward_takes_wide(call.scores)) else min(call.hd, 128)
+                                          or not _wgmma_backward_takes_wide(call.hd, call.scores)) else min(call.hd, 128)
         spec = BackwardSpec(call.dtype, "wgmma", call.hd, call.hd, chunk, 128,
                             128 if call.hd <= 64 and not call.full else 64, True, 2, call.scores, 1)
         return [spec if spec.smem_bytes <= call.smem_limit else dataclasses.replace(spec, stages=1)]
@@ -672,17 +676,20 @@ def wgmma_backward_takes(hd: int, scores: ScoreSet) -> bool:
     mods = set(scores.mods)
     if hd <= 64:
         return not ({"softcap", "dropout"} <= mods and mods & {"mask", "block_mask"})
-    return _wgmma_backward_takes_wide(scores) or (hd <= 128 and not mods & {"softcap", "block_mask"})
+    return _wgmma_backward_takes_wide(hd, scores) or (hd <= 128 and not mods & {"softcap", "block_mask"})
 
 
-def _wgmma_backward_takes_wide(scores: ScoreSet) -> bool:
+def _wgmma_backward_takes_wide(hd: int, scores: ScoreSet) -> bool:
     """The option sets 128-column dK and dV leave registers for (ptxas, sm_90): at most two
-    options, dropout only alone or beside a bias, and neither a mask beside a block mask nor
-    softcap beside a mask (12 and 32 bytes spill; more options spill)."""
+    options, dropout only alone or beside a bias, not a mask beside a block mask (12 bytes
+    spill; more options spill), and softcap beside a mask at padded D = 128 only: it spills 32
+    bytes there yet ran 1.12-1.42x faster than mma.sync, or than 64-column chunks recomputing
+    its one element pass (bench/NOTES.md, 'Backward: score options')."""
     mods = set(scores.mods)
     if "dropout" in mods:
         return mods <= {"dropout", "bias"}
-    return len(mods) <= 2 and mods not in ({"mask", "block_mask"}, {"softcap", "mask"})
+    return len(mods) <= 2 and mods != {"mask", "block_mask"} and (
+        mods != {"softcap", "mask"} or (hd, scores.mods) in WGMMA_BACKWARD_SPILLS)
 
 
 _BWD_BASE = ((64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))   # one role, 32 or 16 streamed rows
