@@ -505,15 +505,16 @@ def test_warp_backward_staged_options_match_reference(dtype, d, data) -> None:
     _check_backward(case)
 
 
-@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("dtype, d", [(F16, 64), (BF16, 64), (F16, 128)])
 @given(data=st.data())
 @settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)  # a kernel per option set drawn
-def test_hopper_backward_staged_bias_mask_dropout_match_reference(dtype, data) -> None:
-    """The wgmma dK/dV kernel at D = 64 with a bias, a mask and dropout together, their tiles
-    staged with Q (BwdWgmma's Staged): every broadcast shape and bias dtype, ALiBi and a block
-    mask beside them, partial tiles, GQA, fully masked rows and tiles, the band, lengths."""
+def test_hopper_backward_staged_bias_mask_dropout_match_reference(dtype, d, data) -> None:
+    """The wgmma dK/dV kernel with a bias, a mask and dropout together, their tiles staged
+    with Q (BwdWgmma's Staged; at D = 128 in 64-column chunks): every broadcast shape and bias
+    dtype, ALiBi and a block mask beside them, partial tiles, GQA, fully masked rows and tiles,
+    the band, lengths."""
     arch, smem = _sm90_limits("wgmma kernels need")
-    b, hq, hk, d = 2, 2, 1, 64
+    b, hq, hk = 2, 2, 1
     lq = data.draw(st.sampled_from([1, 65, 130, 300]), label="lq")
     lk = data.draw(st.sampled_from([1, 63, 129, 257]), label="lk")
     rs = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="values"))
@@ -523,31 +524,38 @@ def test_hopper_backward_staged_bias_mask_dropout_match_reference(dtype, data) -
     scores = ScoreSet.of(bias_dtype=options["bias"].dtype.name, mask=True, block_mask="block_mask" in options,
                          alibi="alibi_slopes" in options, dropout=True)
     spec = select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=scores)
-    assert spec.policy == "wgmma" and spec.stages_scores
+    assert spec.policy == "wgmma" and spec.stages_scores and spec.kv_chunk == 64
     _check_backward(case)
 
 
 @pytest.mark.parametrize("dtype, d", [(F16, 64), (BF16, 128), (F32, 64), (F64, 32)])
-@pytest.mark.parametrize("masks", ["block", "block+mask", "padding+softcap"])
+@pytest.mark.parametrize("masks", ["block128", "block64+window", "block128+mask", "padding+softcap",
+                                   "block64+mask+lengths"])
 def test_tiles_kept_whole_match_reference(dtype, d, masks) -> None:
     """Tiles the masks keep whole (the tile maps' whole bit) skip the block mask's reads and,
-    in the backward, take the fast element passes: blocks of 128 over every kernel's tiles,
-    some dropped, some kept, beside a mask kept whole in one corner and mixed elsewhere; a
-    key-padding mask beside softcap (one element pass); partial tiles, GQA, causal and not."""
+    in the backward, take the fast element passes: blocks of 128 (tiles whole or dead) or 64
+    (tiles mixed too), some dropped, some kept, beside a mask kept whole in one corner and mixed
+    elsewhere; a key-padding mask beside softcap (one element pass); a window; lengths shorter
+    than the frame; partial tiles, GQA, causal and not."""
     rs = np.random.default_rng(d + len(masks))
-    lq, lk, bs = 300, 420, 128
+    lq, lk = 300, 420
     options: dict = {}
     if masks.startswith("block"):
+        bs = 128 if masks.startswith("block128") else 64
         block_mask = rs.random((2, -(-lq // bs), -(-lk // bs))) < 0.7
         block_mask[:, 0, 0] = True
         options.update(block_mask=block_mask, block_size=bs)
-    if masks == "block+mask":
+    if "+mask" in masks:
         mask = rs.random((lq, lk)) < 0.9
         mask[:128, :256] = True  # whole tiles beside a mask
         options["mask"] = mask
     if masks == "padding+softcap":
         options["mask"] = np.arange(lk)[None, None, None, :] < np.array([lk, 333])[:, None, None, None]
         options["softcap"] = 5.0
+    if masks.endswith("+window"):
+        options["window"] = (200, 150)
+    if masks.endswith("+lengths"):
+        options["q_lengths"], options["kv_lengths"] = np.array([lq, 170]), np.array([250, lk])
     for causal in (False, True):
         case = _case((2, 2, lq, d), (2, 1, lk, d), dtype=dtype, data_seed=d, causal=causal, **options)
         _check_forward(case)

@@ -86,8 +86,9 @@ struct BwdWarp {
             constexpr int K_UNROLL = MI == 2 ? 2 : (FULL || !FUSED_DQ) && sizeof(Acc) == 8 ? 1 : 0;
             Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sK + 16 * MI * warp * LD, sQt, s_t);    // S^T = K Q^T
             Policy::template qk<HD, BLOCK_C, LD, LD, K_UNROLL>(sV + 16 * MI * warp * LD, sdOt, dp_t);  // dP^T = V dO^T
-            // full_elements here keeps `fast` a constant false beside a mask: a run-time one (tiles
-            // kept whole) slowed the mixed tiles (bench/NOTES.md, 'Masks: tiles kept whole read none').
+            // full_elements here keeps `fast` a constant false beside a boolean mask (a block mask
+            // alone: tiles kept whole are fast): a run-time one slowed the mixed tiles
+            // (bench/NOTES.md, 'Masks: tiles kept whole read none').
             tile.template classify<Tiles::kMask>(blk, hv, scores);
             // P' = P z into s_t and dS^T into dp_t, element by element. The fast tiles, nearly
             // all of them, carry no per-element test: the selecting loop is inlined twice, with

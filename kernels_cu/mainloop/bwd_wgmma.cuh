@@ -39,8 +39,8 @@ struct BwdWgmma {
     template <typename Set>
     static constexpr bool kTwoPass = kTwoPassElements<Set> && (CH <= 64 || (Set::kMods & (kModBias | kModDropout)) == 0);
     // The query tiles' bias and mask windows (BLOCK_C, BLOCK_R) staged with Q by the two-pass
-    // sets at D <= 128 (a bias there in 64-column chunks; a bias, a mask and dropout together
-    // reach this kernel at D = 64 only). At D = 256 the copy's addresses and the reads spill:
+    // sets at D <= 128 (at D = 128 in 64-column chunks with a bias or beyond what 128-wide
+    // dK and dV leave registers for). At D = 256 the copy's addresses and the reads spill:
     // the two passes read them per score from global memory. Copied element by element in a
     // rolled loop where a view's rows are not aligned. flashcupy/cuda/spec.py's
     // BackwardSpec.stages_scores mirrors this.
