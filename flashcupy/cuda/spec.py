@@ -62,10 +62,6 @@ FORCE_PORTABLE_ENV = "FLASHCUPY_FORCE_PORTABLE"
 #: 128 threads to divide the copied rows' chunks: 96 keeps mma.sync).
 WGMMA_HEAD_DIMS = (64, 128, 256)
 WGMMA_BACKWARD_HEAD_DIMS = (64, 128, 256)
-#: (padded head dim, option set) the warpgroup dK/dV kernel takes although ptxas spills, with
-#: the most bytes it may store: measured faster than the other kernels that could take them
-#: (:func:`wgmma_backward_takes`); tests/test_kernels_compile.py holds them to that figure.
-WGMMA_BACKWARD_SPILLS = {(128, ("softcap", "mask")): 32}
 WGMMA_TF32_HEAD_DIMS = (128,)
 
 #: Opt-in shared memory per block (bytes) of each architecture CI compiles for.
@@ -682,14 +678,13 @@ def wgmma_backward_takes(hd: int, scores: ScoreSet) -> bool:
 def _wgmma_backward_takes_wide(hd: int, scores: ScoreSet) -> bool:
     """The option sets 128-column dK and dV leave registers for (ptxas, sm_90): at most two
     options, dropout only alone or beside a bias, not a mask beside a block mask (12 bytes
-    spill; more options spill), and softcap beside a mask at padded D = 128 only: it spills 32
-    bytes there yet ran 1.12-1.42x faster than mma.sync, or than 64-column chunks recomputing
-    its one element pass (bench/NOTES.md, 'Backward: score options')."""
+    spill; more options spill), and softcap beside a mask at padded D = 128 only (24 bytes
+    spill at D = 256). That pair ran 1.09-1.54x faster than on mma.sync, and than in 64-column
+    chunks recomputing its one element pass (bench/NOTES.md, 'Backward: score options')."""
     mods = set(scores.mods)
     if "dropout" in mods:
         return mods <= {"dropout", "bias"}
-    return len(mods) <= 2 and mods != {"mask", "block_mask"} and (
-        mods != {"softcap", "mask"} or (hd, scores.mods) in WGMMA_BACKWARD_SPILLS)
+    return len(mods) <= 2 and mods != {"mask", "block_mask"} and (hd <= 128 or mods != {"softcap", "mask"})
 
 
 _BWD_BASE = ((64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1))   # one role, 32 or 16 streamed rows
