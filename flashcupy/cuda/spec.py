@@ -653,8 +653,8 @@ class _WgmmaBackwardRule(BackwardRule):
 
     def candidates(self, call: Call) -> list[BackwardSpec]:
         mods = call.scores.mods
-        chunk = 64 if call.hd == 128 and (("bias" in mods and "softcap" not in mods)
-                                          or not _wgmma_backward_takes_wide(call.hd, call.scores)) else min(call.hd, 128)
+        narrow = ("bias" in mods and "softcap" not in mods) or not _wgmma_backward_takes_wide(call.hd, call.scores)
+        chunk = 64 if call.hd == 128 and narrow else min(call.hd, 128)
         spec = BackwardSpec(call.dtype, "wgmma", call.hd, call.hd, chunk, 128,
                             128 if call.hd <= 64 and not call.full else 64, True, 2, call.scores, 1)
         return [spec if spec.smem_bytes <= call.smem_limit else dataclasses.replace(spec, stages=1)]

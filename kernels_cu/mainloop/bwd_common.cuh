@@ -378,9 +378,9 @@ struct BwdElements {
 // keep / (1 - p) of dropout (keep: the tile's bits, Scores::keep_tile; dropout_scale =
 // 1 / (1 - p)), and dS through the modifiers' derivative (dbias += dS, added by the block's
 // first gradient chunk alone; softcap's chain rule). A fast tile (whole, inside the band, the
-// masks absent or keeping it whole) selects nothing: P = exp2(value(S) - lse2). Otherwise masked scores and padding get P = 0 and dS = 0 by
-// selection, whatever P and dP - D hold there (0 * an overflowed dP would be NaN), before
-// the derivative sees dS.
+// masks absent or keeping it whole) selects nothing: P = exp2(value(S) - lse2). Otherwise
+// masked scores and padding get P = 0 and dS = 0 by selection, whatever P and dP - D hold
+// there (0 * an overflowed dP would be NaN), before the derivative sees dS.
 template <typename Acc, typename Set, int MI, int NT, int BLOCK_R, int BLOCK_C>
 __device__ __forceinline__ void full_elements(const BwdKeyBlock<BLOCK_R, BLOCK_C>& blk, const HeadView& hv,
                                               const Scores<Acc, Set>& score, const BwdQueryTile& tile, int r0, int t,
