@@ -16,16 +16,20 @@ Options (``--options``), each on its own and bias+mask+dropout together:
   (the bias is a constant for every system);
 - mask: (L, L) bool, each score kept with probability 0.9 and the diagonal always (no row
   is fully masked, where SDPA's math backend gives NaN);
+- padding: a (B, 1, 1, L) key-padding mask, sequence b keeping its first L, 7 L / 8, 3 L / 4
+  or L / 2 keys (in turn): the masks of padded batches, most tiles kept whole or ruled out;
+- block_mask: an (H, L / 128, L / 128) block mask of 128-blocks, each kept with probability
+  0.9 and the diagonal's always (FlexAttention's native form; SDPA takes it as a dense mask);
 - alibi: slopes 2^(-8 (h + 1) / H); softcap: 30; window: (256, 256), (256, 0) when causal;
 - dropout: p = 0.1; sinks: standard normal logits, one per head;
 - bias+mask+dropout: the three above together.
 
 Systems (``--systems``) and the options each runs, as a user of it would write them:
 flashcupy (every option, backend="cuda", CuPy views of torch's tensors on torch's stream);
-sdpa-cudnn (16-bit; bias and mask as ``attn_mask``, a float mask with -inf where the boolean one
-says no, the causal triangle folded into it); sdpa-efficient (16-bit and float32; the same,
+sdpa-cudnn (16-bit; bias and masks as ``attn_mask``, a float mask with -inf where the boolean
+one says no, the causal triangle folded into it); sdpa-efficient (16-bit and float32; the same,
 and dropout); sdpa-flash (16-bit; dropout); sdpa-math (float64 only, where it is the anchor;
-bias, mask, window as a mask, dropout); flex (FlexAttention under torch.compile, 16-bit and
+bias, masks, window as a mask, dropout); flex (FlexAttention under torch.compile, 16-bit and
 float32: ALiBi and softcap as score_mod, bias as a score_mod reading it, masks, causal and
 windows as mask_mod through create_block_mask). Sinks have no anchor: their row is read
 against flashcupy's own plain time.
@@ -66,19 +70,23 @@ from bench_attention import (
     torch_stream_for_cupy,
 )
 
-OPTIONS = ("plain", "bias", "mask", "alibi", "softcap", "dropout", "window", "sinks", "bias+mask+dropout")
+OPTIONS = ("plain", "bias", "mask", "padding", "block_mask", "alibi", "softcap", "dropout", "window", "sinks",
+           "bias+mask+dropout")
+MASKS = ("mask", "padding", "block_mask")
 SYSTEMS = ("flashcupy", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash", "sdpa-math", "flex")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 SIXTEEN = ("float16", "bfloat16")
 #: (dtypes, options) each anchor runs; flashcupy runs everything.
 SUPPORT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "sdpa-cudnn": (SIXTEEN, ("plain", "bias", "mask")),
-    "sdpa-efficient": (SIXTEEN + ("float32",), ("plain", "bias", "mask", "dropout", "bias+mask+dropout")),
+    "sdpa-cudnn": (SIXTEEN, ("plain", "bias") + MASKS),
+    "sdpa-efficient": (SIXTEEN + ("float32",), ("plain", "bias") + MASKS + ("dropout", "bias+mask+dropout")),
     "sdpa-flash": (SIXTEEN, ("plain", "dropout")),
-    "sdpa-math": (("float64",), ("plain", "bias", "mask", "window", "dropout", "bias+mask+dropout")),
-    "flex": (SIXTEEN + ("float32",), ("plain", "bias", "mask", "alibi", "softcap", "window")),
+    "sdpa-math": (("float64",), ("plain", "bias") + MASKS + ("window", "dropout", "bias+mask+dropout")),
+    "flex": (SIXTEEN + ("float32",), ("plain", "bias") + MASKS + ("alibi", "softcap", "window")),
 }
-SOFTCAP, DROPOUT, MASK_KEEP, WINDOW = 30.0, 0.1, 0.9, 256
+SOFTCAP, DROPOUT, MASK_KEEP, WINDOW, BLOCK = 30.0, 0.1, 0.9, 256, 128
+#: The share of L each sequence of the padding option keeps, sequence b taking entry b % 4.
+PADDING_KEEP = (1.0, 7 / 8, 3 / 4, 1 / 2)
 
 
 def build_configs(args: argparse.Namespace) -> list[Config]:
@@ -115,6 +123,9 @@ class Inputs:
     do: Any
     bias: Any      # (L, L), the input dtype
     mask: Any      # (L, L) bool, True = attend, diagonal kept
+    lengths: Any   # (B,) int64: the keys each sequence of the padding option keeps
+    padding: Any   # (B, 1, 1, L) bool: key j < lengths[b]
+    blocks: Any    # (H, L / BLOCK, L / BLOCK) bool, diagonal blocks kept
     slopes: Any    # (H,) float32
     sinks: Any     # (H,) float32
     allowed: Any   # (L, L) bool: the causal triangle (or all True)
@@ -131,12 +142,17 @@ def make_inputs(config: Config, seed: int) -> Inputs:
     bias = torch.randn((L, L), dtype=dtype, device="cuda", generator=gen)
     mask = torch.rand((L, L), device="cuda", generator=gen) < MASK_KEEP
     mask |= torch.eye(L, dtype=torch.bool, device="cuda")
+    lengths = torch.tensor([int(L * PADDING_KEEP[b % len(PADDING_KEEP)]) for b in range(config.B)], device="cuda")
+    padding = (torch.arange(L, device="cuda") < lengths[:, None])[:, None, None, :]
+    nb = -(-L // BLOCK)
+    blocks = torch.rand((config.H, nb, nb), device="cuda", generator=gen) < MASK_KEEP
+    blocks |= torch.eye(nb, dtype=torch.bool, device="cuda")
     slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / config.H) for h in range(config.H)], device="cuda")
     sinks = torch.randn((config.H,), device="cuda", generator=gen)
     allowed = torch.ones((L, L), dtype=torch.bool, device="cuda")
     if config.causal:
         allowed = torch.tril(allowed)
-    return Inputs(q, k, v, do, bias, mask, slopes, sinks, allowed)
+    return Inputs(q, k, v, do, bias, mask, lengths, padding, blocks, slopes, sinks, allowed)
 
 
 def window_of(config: Config) -> tuple[int, int]:
@@ -153,12 +169,18 @@ def window_flops(config: Config) -> float:
 
 
 def keep_matrix(option: str, config: Config, x: Inputs) -> Any:
-    """The (L, L) bool of every mask the option and causality apply (for SDPA and the reference)."""
+    """The bool of every mask the option and causality apply (for SDPA and the reference):
+    (L, L), (B, 1, L, L) with padding, (1, H, L, L) with a block mask."""
     import torch
 
     keep = x.allowed
     if "mask" in parts(option):
         keep = keep & x.mask
+    if "padding" in parts(option):
+        keep = keep & x.padding
+    if "block_mask" in parts(option):
+        dense = x.blocks.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)[:, :config.L, :config.L]
+        keep = keep & dense[None]
     if "window" in parts(option):
         left, right = window_of(config)
         i = torch.arange(config.L, device="cuda")[:, None]
@@ -182,6 +204,10 @@ def flashcupy_call(option: str, config: Config, x: Inputs, mode: str) -> Callabl
         opts["bias"] = c(x.bias)
     if "mask" in p:
         opts["mask"] = c(x.mask)
+    if "padding" in p:
+        opts["mask"] = c(x.padding)
+    if "block_mask" in p:
+        opts.update(block_mask=c(x.blocks), block_size=BLOCK)
     if "alibi" in p:
         opts["alibi_slopes"] = c(x.slopes)
     if "softcap" in p:
@@ -206,13 +232,13 @@ def sdpa_call(system: str, option: str, config: Config, x: Inputs, mode: str) ->
     backend = getattr(SDPBackend, SDPA_BACKENDS[system])
     p = parts(option)
     attn_mask, is_causal = None, config.causal
-    if p & {"bias", "mask", "window"}:
+    if p & {"bias", "window", *MASKS}:
         is_causal = False  # SDPA takes a mask or is_causal, not both: the triangle goes into the mask
         keep = keep_matrix(option, config, x)
         if "bias" in p:
-            attn_mask = x.bias.masked_fill(~keep, -math.inf)
+            attn_mask = torch.where(keep, x.bias, -math.inf)
         else:
-            attn_mask = keep if system != "sdpa-cudnn" else torch.zeros_like(x.bias).masked_fill(~keep, -math.inf)
+            attn_mask = keep if system != "sdpa-cudnn" else torch.where(keep, 0.0, -math.inf).to(x.bias.dtype)
     dropout = DROPOUT if "dropout" in p else 0.0
 
     def forward(q, k, v):
@@ -240,11 +266,16 @@ def flex_call(option: str, config: Config, x: Inputs, mode: str) -> Callable[[],
     p = parts(option)
     left, right = window_of(config)
     causal, mask, bias, slopes = config.causal, x.mask, x.bias, x.slopes
+    lengths, blocks = x.lengths, x.blocks
 
     def mask_mod(b, h, i, j):
         keep = (j <= i) if causal else (i >= 0)
         if "mask" in p:
             keep = keep & mask[i, j]
+        if "padding" in p:
+            keep = keep & (j < lengths[b])
+        if "block_mask" in p:
+            keep = keep & blocks[h, i // BLOCK, j // BLOCK]
         if "window" in p:
             keep = keep & (j >= i - left) & (j <= i + right)
         return keep
@@ -259,8 +290,10 @@ def flex_call(option: str, config: Config, x: Inputs, mode: str) -> Callable[[],
         return score
 
     block_mask = None
-    if causal or p & {"mask", "window"}:
-        block_mask = create_block_mask(mask_mod, None, None, config.L, config.L, device="cuda")
+    if causal or p & {"window", *MASKS}:
+        batch = config.B if "padding" in p else None
+        heads = config.H if "block_mask" in p else None
+        block_mask = create_block_mask(mask_mod, batch, heads, config.L, config.L, device="cuda")
     mod = score_mod if p & {"softcap", "bias", "alibi"} else None
 
     def forward(q, k, v):
@@ -295,7 +328,8 @@ def reference(option: str, config: Config, x: Inputs) -> list[Any]:
     q, k, v, do = (torch.stack([t[b, h] for b, h in HEADS]).to(f64) for t in (x.q, x.k, x.v, x.do))
     heads = [h % config.H for _, h in HEADS]
     p = parts(option)
-    keep = keep_matrix(option, config, x)
+    every = keep_matrix(option, config, x).expand(config.B, config.H, config.L, config.L)
+    keep = torch.stack([every[b, h] for b, h in HEADS])
     if config.mode == "bwd":
         q, k, v = (t.requires_grad_() for t in (q, k, v))
     s = (q @ k.transpose(-1, -2)) / math.sqrt(config.D)
