@@ -154,21 +154,20 @@ def _tile_masks(pb: Problem, seg: Segment, i0: int, i1: int, j0: int, j1: int):
             return False
         return ranges, None
     keep = None
-    rows = np.arange(i0, i1)[:, None]
-    cols = np.arange(j0, j1)[None, :]
     if pb.block_mask is not None:
         bs = pb.block_size
         blocks = np.asarray(pb.block_mask[seg.head][i0 // bs : (i1 - 1) // bs + 1, j0 // bs : (j1 - 1) // bs + 1])
         if not blocks.any():
             return False
-        if not blocks.all():
-            keep = blocks[(rows // bs - i0 // bs), (cols // bs - j0 // bs)]
+        if not blocks.all():  # each block's flag repeated over its scores (copies, not an index per score)
+            keep = np.repeat(np.repeat(blocks, bs, 0), bs, 1)[i0 % bs : i0 % bs + i1 - i0, j0 % bs : j0 % bs + j1 - j0]
     if pb.mask is not None:
         tile = np.asarray(pb.mask[seg.head][i0:i1, j0:j1])
         keep = tile if keep is None else keep & tile
     if keep is not None and ranges is not None:
         lo, hi = ranges
-        keep = keep & (cols - j0 >= lo[:, None]) & (cols - j0 < hi[:, None])
+        cols = np.arange(j1 - j0)[None, :]
+        keep = keep & (cols >= lo[:, None]) & (cols < hi[:, None])
         ranges = None
     if keep is not None and not keep.any():
         return False
@@ -219,7 +218,7 @@ def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges,
     if ranges is not None:
         kernels.mask_outside(st, *ranges)
     if keep is not None:
-        np.copyto(st, -np.inf, where=~keep.T)
+        kernels.mask_where(st, keep)
     return tanh
 
 

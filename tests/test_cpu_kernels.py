@@ -185,6 +185,22 @@ def test_mask_outside_agrees(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_mask_where_agrees_in_every_layout(dtype):
+    """keep as a mask's rows (a strided view), transposed (the block mask's repeats) and whole."""
+    rs = np.random.default_rng(8)
+    for n, cols in ((40, 9), (5, 30), (1, 1), (70, 33)):
+        whole = rs.random((2 * cols + 3, 3 * n + 1)) < 0.8
+        for keep in (whole[1 : 1 + cols, 2 : 2 + n], np.asfortranarray(whole[:cols, :n]), whole[:cols, :n].copy()):
+            results = []
+            for kernels in (NUMPY, NUMBA):
+                st = _tile(dtype, n, cols)
+                kernels.mask_where(st, keep)
+                results.append(st)
+            assert np.array_equal(results[0], results[1])
+            assert np.array_equal(np.isneginf(results[1]), ~keep.T)  # the tile holds finite scores
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_finish_agrees_and_zeroes_masked_rows(dtype):
     rs = np.random.default_rng(7)
     o = rs.standard_normal((6, 5)).astype(dtype)
