@@ -204,8 +204,9 @@ def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges,
         tanh = np.tanh(st / softcap)
         np.multiply(tanh, softcap, out=st)  # S = softcap * tanh(S / softcap)
     if pb.bias is not None:
-        tile = pb.bias[seg.head][i0 : i0 + rows // heads, j0 : j0 + cols]
-        st += np.multiply(np.tile(tile, (heads, 1)).T if heads > 1 else tile.T, LOG2E, dtype=st.dtype)
+        tile = np.asarray(pb.bias[seg.head][i0 : i0 + rows // heads, j0 : j0 + cols])
+        for h in range(heads):  # stacked heads: the same bias in each
+            kernels.add_bias(st[:, h * (rows // heads) : (h + 1) * (rows // heads)], tile, LOG2E)
     if pb.alibi_slopes is not None:
         positions = np.arange(i0, i0 + rows // heads)
         slope = pb.alibi_slopes[seg.head]

@@ -92,6 +92,10 @@ class TileKernels(Protocol):
     def mask_where(self, st: np.ndarray, keep: np.ndarray) -> None:
         """st[j, i] = -inf where not keep[i, j] (keep: (queries, keys) bool, any layout)."""
 
+    def add_bias(self, st: np.ndarray, bias: np.ndarray, factor: float) -> None:
+        """st[j, i] += bias[i, j] * factor (bias: (queries, keys), any layout and float dtype;
+        st may be a column slice of a tile)."""
+
     def dropout_scale(self, z: np.ndarray, seed: int, offset: int, bh: int, i0: int, j0: int, p: float) -> None:
         """z[j, i] = keep(bh, i0 + i, j0 + j) / (1 - p): the Philox bits of flashcupy.rng."""
 
@@ -143,6 +147,9 @@ class NumpyKernels:
 
     def mask_where(self, st, keep):
         np.copyto(st, -np.inf, where=~keep.T)
+
+    def add_bias(self, st, bias, factor):
+        st += np.multiply(bias.T, factor, dtype=st.dtype)
 
     def rescale_add(self, o, alpha, pv):
         o *= alpha[:, None]
@@ -333,6 +340,24 @@ def _numba_kernels():
                     st[j, i] = -np.inf
 
     @jit
+    def add_bias_columns(st, bias, factor):
+        # Eight queries at a time (one 32-byte run of each key's row of st) over every key: the
+        # bias is read down its columns eight at a time while st's lines stay in cache. 222 us a
+        # float32 (1024, 256) tile, against 809 for NumPy's product through bias.T and 419 / 771
+        # with 16 / 32 queries at a time.
+        n, cols = st.shape
+        for i0 in range(0, cols, 8):
+            i1 = min(i0 + 8, cols)
+            for j in range(n):
+                for i in range(i0, i1):
+                    st[j, i] += bias[i, j] * factor
+
+    def add_bias(st, bias, factor):
+        if bias.dtype not in (np.float32, np.float64):  # 16-bit biases: Numba has no float16
+            bias = bias.astype(st.dtype)
+        add_bias_columns(st, bias, st.dtype.type(factor))
+
+    @jit
     def rescale_add(o, alpha, pv):
         rows, cols = o.shape
         for i in range(rows):
@@ -359,7 +384,7 @@ def _numba_kernels():
 
     return SimpleNamespace(name="numba", forward_tile=forward_tile_step, backward_tile=backward_tile,
                            dropout_scale=dropout_scale, mask_outside=mask_outside, mask_where=mask_where,
-                           rescale_add=rescale_add, finish=finish)
+                           add_bias=add_bias, rescale_add=rescale_add, finish=finish)
 
 
 _NUMPY = NumpyKernels()

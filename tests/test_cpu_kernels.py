@@ -201,6 +201,28 @@ def test_mask_where_agrees_in_every_layout(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_bias_agrees_in_every_layout(dtype):
+    """A bias tile as a strided view, transposed, whole or 16-bit, into a tile and into a column
+    slice of one (stacked heads): NumPy's two roundings against Numba's fused product and sum."""
+    rs = np.random.default_rng(9)
+    for n, cols in ((40, 9), (5, 30), (1, 1), (70, 33)):
+        whole = rs.standard_normal((2 * cols + 3, 3 * n + 1))
+        for bias in (whole[1 : 1 + cols, 2 : 2 + n].astype(dtype), np.asfortranarray(whole[:cols, :n]),
+                     whole[:cols, :n].astype(np.float16)):
+            results = []
+            for kernels in (NUMPY, NUMBA):
+                st = _tile(dtype, n, 2 * cols)
+                kernels.add_bias(st[:, cols:], bias, cpu_kernels.LOG2E)
+                results.append(st)
+                assert np.array_equal(st[:, :cols], _tile(dtype, n, 2 * cols)[:, :cols])  # the other head's
+            scale = np.abs(results[0]).max()
+            np.testing.assert_allclose(results[1], results[0], rtol=0, atol=4 * np.finfo(dtype).eps * scale)
+            added = results[0][:, cols:] - _tile(dtype, n, 2 * cols)[:, cols:]
+            expected = bias.T.astype(np.float64) * cpu_kernels.LOG2E
+            np.testing.assert_allclose(added, expected, rtol=0, atol=8 * np.finfo(dtype).eps * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_finish_agrees_and_zeroes_masked_rows(dtype):
     rs = np.random.default_rng(7)
     o = rs.standard_normal((6, 5)).astype(dtype)
