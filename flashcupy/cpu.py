@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -175,15 +175,21 @@ def _tile_masks(pb: Problem, seg: Segment, i0: int, i1: int, j0: int, j1: int):
 
 
 def _key_tiles(pb: Problem, seg: Segment, i0: int, i1: int, block_n: int,
-               keys: tuple[int, int] | None = None) -> Iterator[Tile]:
+               keys: tuple[int, int] | None = None, diagonal_first: bool = False) -> Iterator[Tile]:
     """The key tiles query rows [i0, i1) attend (inside ``keys`` = [start, stop) when
-    given), with their masks; ruled-out tiles skipped."""
+    given), with their masks; ruled-out tiles skipped. ``diagonal_first``: the first tile is
+    centred on the rows' diagonal keys (i + Lk - Lq; every row's where BLOCK_N >= the rows),
+    the rest follow right and then left of it."""
     lo, hi = _key_range(pb, seg, i0, i1)
     if keys is not None:
         lo, hi = max(lo, keys[0]), min(hi, keys[1])
     unmasked = pb.causal is None and pb.window is None and pb.mask is None and pb.block_mask is None
-    for j0 in range(lo, hi, block_n):
-        j1 = min(j0 + block_n, hi)
+    starts: Iterable[int] = range(lo, hi, block_n)
+    if diagonal_first and hi - lo > block_n:
+        first = min(max((i0 + i1 - block_n) // 2 + seg.diagonal, lo), hi - block_n)
+        starts = [first, *range(first + block_n, hi, block_n), *range(first - block_n, lo - block_n, -block_n)]
+    for j0 in starts:
+        j0, j1 = max(j0, lo), min(j0 + block_n, hi)
         masks = (None, None) if unmasked else _tile_masks(pb, seg, i0, i1, j0, j1)
         if masks is not False:
             yield (j0, j1) + masks
@@ -214,8 +220,8 @@ def _scores(pb: Problem, seg: Segment, st: np.ndarray, i0: int, j0: int, ranges,
             slope = np.repeat(pb.alibi_slopes[seg.head[:-1] + (slice(seg.head[-1], seg.head[-1] + heads),)],
                               rows // heads)
             positions = np.tile(positions, heads)
-        dist = np.abs(positions[None, :] + seg.diagonal - np.arange(j0, j0 + cols)[:, None])
-        st -= (slope * LOG2E * dist).astype(st.dtype)  # S -= slope * |i + Lk - Lq - j|
+        slopes = np.broadcast_to(np.multiply(slope, LOG2E, dtype=np.float64), (rows,))
+        kernels.add_alibi(st, slopes, positions + (seg.diagonal - j0))  # S -= slope * |i + Lk - Lq - j|
     if ranges is not None:
         kernels.mask_outside(st, *ranges)
     if keep is not None:
@@ -374,7 +380,14 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
         o = scratch.get("o", rows, pb.head_dim_v)  # (rows, Dv), unnormalised
         o[...] = 0
         pv = scratch.get("pv", rows, pb.head_dim_v)
-        for j0, j1, ranges, keep in _key_tiles(pb, seg, i0, i1, block_n):
+        # ALiBi's scores fall away from each row's diagonal key by its slope times the distance,
+        # past the lazy shift's headroom within a tile: the tile around the diagonals comes
+        # first and sets the shift exactly (its maximum), so the rest stay under it; taken in
+        # order, the tiles' scores rose past the shift and every query was recomputed alone
+        # (bench/NOTES.md, 'CPU: ALiBi's diagonal tile first').
+        alibi = pb.alibi_slopes is not None
+        exact = alibi
+        for j0, j1, ranges, keep in _key_tiles(pb, seg, i0, i1, block_n, diagonal_first=alibi):
             if heads > 1:  # the same positions, and masks the same in every head
                 ranges = ranges and (np.tile(ranges[0], heads), np.tile(ranges[1], heads))
                 keep = None if keep is None else np.tile(keep, (heads, 1))
@@ -386,7 +399,8 @@ def forward(pb: Problem) -> tuple[np.ndarray, np.ndarray]:
                 np.matmul(ks[:, j0:j1], q.reshape(kv, gr, -1).transpose(0, 2, 1), out=s3)
                 np.copyto(st.reshape(j1 - j0, kv, gr), s3.transpose(1, 0, 2))
             _scores(pb, seg, st, i0, j0, ranges, keep, kernels, heads)
-            count = kernels.forward_tile(st, m, l, alpha, vectors, damaged, False)  # P^T = 2^(S^T - m)
+            count = kernels.forward_tile(st, m, l, alpha, vectors, damaged, exact)  # P^T = 2^(S^T - m)
+            exact = False
             for c in damaged[:count]:  # a query whose scores leapt past its shift: alone, exactly
                 column = scratch.get("column", j1 - j0, 1)
                 np.matmul((ks if kv == 1 else ks[c // gr])[j0:j1], q[c : c + 1].T, out=column)

@@ -96,6 +96,10 @@ class TileKernels(Protocol):
         """st[j, i] += bias[i, j] * factor (bias: (queries, keys), any layout and float dtype;
         st may be a column slice of a tile)."""
 
+    def add_alibi(self, st: np.ndarray, slopes: np.ndarray, diagonals: np.ndarray) -> None:
+        """st[j, i] -= slopes[i] * |diagonals[i] - j|, the product in float64 (slopes float64,
+        diagonals int64: each query's diagonal key relative to the tile's first)."""
+
     def dropout_scale(self, z: np.ndarray, seed: int, offset: int, bh: int, i0: int, j0: int, p: float) -> None:
         """z[j, i] = keep(bh, i0 + i, j0 + j) / (1 - p): the Philox bits of flashcupy.rng."""
 
@@ -150,6 +154,9 @@ class NumpyKernels:
 
     def add_bias(self, st, bias, factor):
         st += np.multiply(bias.T, factor, dtype=st.dtype)
+
+    def add_alibi(self, st, slopes, diagonals):
+        st -= (slopes * np.abs(diagonals[None, :] - np.arange(st.shape[0])[:, None])).astype(st.dtype)
 
     def rescale_add(self, o, alpha, pv):
         o *= alpha[:, None]
@@ -358,6 +365,13 @@ def _numba_kernels():
         add_bias_columns(st, bias, st.dtype.type(factor))
 
     @jit
+    def add_alibi(st, slopes, diagonals):
+        n, cols = st.shape
+        for j in range(n):
+            for i in range(cols):
+                st[j, i] -= st.dtype.type(slopes[i] * abs(diagonals[i] - j))
+
+    @jit
     def rescale_add(o, alpha, pv):
         rows, cols = o.shape
         for i in range(rows):
@@ -384,7 +398,7 @@ def _numba_kernels():
 
     return SimpleNamespace(name="numba", forward_tile=forward_tile_step, backward_tile=backward_tile,
                            dropout_scale=dropout_scale, mask_outside=mask_outside, mask_where=mask_where,
-                           add_bias=add_bias, rescale_add=rescale_add, finish=finish)
+                           add_bias=add_bias, add_alibi=add_alibi, rescale_add=rescale_add, finish=finish)
 
 
 _NUMPY = NumpyKernels()

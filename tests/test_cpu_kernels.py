@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 
 import flashcupy as fc
 from flashcupy import cpu_kernels, rng
+from flashcupy.testing import assert_attention_close
 from support import cpu_tiles
 
 NUMBA = cpu_kernels.numba_kernels()
@@ -223,6 +226,26 @@ def test_add_bias_agrees_in_every_layout(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_alibi_agrees(dtype):
+    """ALiBi's term, each query its slope (stacked heads: several) and its diagonal key, some
+    inside the tile, some before or past it."""
+    rs = np.random.default_rng(10)
+    for n, cols in ((40, 9), (5, 30), (1, 1), (700, 33)):
+        slopes = rs.uniform(0.001, 0.5, cols) * cpu_kernels.LOG2E
+        diagonals = rs.integers(-2 * n, 3 * n, cols)
+        results = []
+        for kernels in (NUMPY, NUMBA):
+            st = _tile(dtype, n, cols)
+            kernels.add_alibi(st, slopes, diagonals)
+            results.append(st)
+        dist = np.abs(diagonals[None, :] - np.arange(n)[:, None])
+        expected = _tile(dtype, n, cols).astype(np.float64) - slopes * dist
+        atol = 4 * np.finfo(dtype).eps * np.abs(expected).max()  # float64: Numba fuses the product
+        for result in results:
+            np.testing.assert_allclose(result, expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_finish_agrees_and_zeroes_masked_rows(dtype):
     rs = np.random.default_rng(7)
     o = rs.standard_normal((6, 5)).astype(dtype)
@@ -280,3 +303,32 @@ def test_a_leaping_query_is_recomputed_alone(dtype):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
     others = np.arange(40) != 3
     assert np.array_equal(out[others], plain[others])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_forward_recomputes_no_query_alone(causal):
+    """ALiBi's scores climb by slope x distance toward each row's diagonal key, far past the
+    lazy shift's headroom: the forward takes the tile around the diagonals first, its shift
+    exactly, so no query leaves the vectorised step (taken in order, every one did, 5-10x the
+    time), and the result is the reference's."""
+    rs = np.random.default_rng(11)
+    q, k, v = (rs.standard_normal((1, 2, 2048, 16)).astype(np.float32) for _ in range(3))
+    slopes = np.array([0.5, 0.03], np.float32)
+    recomputed = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def forward_tile(self, st, m, l, alpha, scratch, damaged, exact):
+            count = self.inner.forward_tile(st, m, l, alpha, scratch, damaged, exact)
+            recomputed.append(count)
+            return count
+
+    with mock.patch.object(cpu_kernels, "kernels", lambda jit=None: Counting(NUMBA)):
+        out = fc.flash_attention(q, k, v, alibi_slopes=slopes, causal=causal, backend="cpu")
+    assert len(recomputed) > 1 and sum(recomputed) == 0
+    assert_attention_close(out, q, k, v, alibi_slopes=slopes, causal=causal)
