@@ -159,8 +159,10 @@ def _tile_masks(pb: Problem, seg: Segment, i0: int, i1: int, j0: int, j1: int):
         blocks = np.asarray(pb.block_mask[seg.head][i0 // bs : (i1 - 1) // bs + 1, j0 // bs : (j1 - 1) // bs + 1])
         if not blocks.any():
             return False
-        if not blocks.all():  # each block's flag repeated over its scores (copies, not an index per score)
-            keep = np.repeat(np.repeat(blocks, bs, 0), bs, 1)[i0 % bs : i0 % bs + i1 - i0, j0 % bs : j0 % bs + j1 - j0]
+        if not blocks.all():  # each block's flag repeated over its rows and keys in the tile
+            rows = np.diff(np.clip(np.arange(i0 // bs, (i1 - 1) // bs + 2) * bs, i0, i1))
+            keys = np.diff(np.clip(np.arange(j0 // bs, (j1 - 1) // bs + 2) * bs, j0, j1))
+            keep = np.repeat(np.repeat(blocks, rows, 0), keys, 1)
     if pb.mask is not None:
         tile = np.asarray(pb.mask[seg.head][i0:i1, j0:j1])
         keep = tile if keep is None else keep & tile
