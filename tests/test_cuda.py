@@ -443,6 +443,14 @@ def _drawn_options(data, rs: np.random.Generator, names: list[str], b: int, hq: 
     return options
 
 
+def _scores_of(options: dict) -> ScoreSet:
+    """The option set (ScoreSet) the kernels compile for a call's options."""
+    bias = options.get("bias")
+    return ScoreSet.of(bias_dtype=None if bias is None else bias.dtype.name, mask="mask" in options,
+                       block_mask="block_mask" in options, alibi="alibi_slopes" in options,
+                       softcap="softcap" in options, dropout="dropout_p" in options)
+
+
 @pytest.mark.parametrize("dtype, d", HOPPER_OPTION_BACKWARDS)
 @given(data=st.data())
 @settings(max_examples=max(1, GPU_SETTINGS.max_examples // 4), deadline=None)  # a kernel per option set drawn
@@ -470,10 +478,7 @@ def test_hopper_backward_score_options_match_reference(dtype, d, data) -> None:
         names.remove("dropout")  # softcap, dropout and a mask take mma.sync (spec.wgmma_backward_takes)
     options = _drawn_options(data, rs, names, b, hq, lq, lk, (dtype, F32, F64))
     case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=dtype, **options)
-    bias = options.get("bias")
-    scores = ScoreSet.of(bias_dtype=None if bias is None else bias.dtype.name, mask="mask" in options,
-                         block_mask="block_mask" in options, alibi="alibi_slopes" in options,
-                         softcap="softcap" in options, dropout="dropout_p" in options)
+    scores = _scores_of(options)
     assert select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=scores).policy == "wgmma"
     _check_backward(case)
 
@@ -495,10 +500,7 @@ def test_warp_backward_staged_options_match_reference(dtype, d, data) -> None:
                        label="others")
     options = _drawn_options(data, rs, staged + others, b, hq, lq, lk, (F32, F64, F16))
     case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=dtype, **options)
-    bias = options.get("bias")
-    scores = ScoreSet.of(bias_dtype=None if bias is None else bias.dtype.name, mask="mask" in options,
-                         block_mask="block_mask" in options, alibi="alibi_slopes" in options,
-                         dropout="dropout_p" in options)
+    scores = _scores_of(options)
     arch, smem = cuda.device_limits(cupy.cuda.Device().id)
     spec = select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=scores)
     assert spec.mainloop == "BwdWarp" and spec.stages_scores
@@ -521,9 +523,7 @@ def test_hopper_backward_staged_bias_mask_dropout_match_reference(dtype, d, data
     others = data.draw(st.lists(st.sampled_from(["block_mask", "alibi"]), unique=True), label="others")
     options = _drawn_options(data, rs, ["bias", "mask", "dropout"] + others, b, hq, lq, lk, (dtype, F32, F64))
     case = _case((b, hq, lq, d), (b, hk, lk, d), dtype=dtype, **options)
-    scores = ScoreSet.of(bias_dtype=options["bias"].dtype.name, mask=True, block_mask="block_mask" in options,
-                         alibi="alibi_slopes" in options, dropout=True)
-    spec = select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=scores)
+    spec = select_backward(np.dtype(dtype).name, d, d, arch, smem, scores=_scores_of(options))
     assert spec.policy == "wgmma" and spec.stages_scores and spec.kv_chunk == 64
     _check_backward(case)
 
