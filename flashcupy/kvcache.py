@@ -148,9 +148,9 @@ def flash_attention_with_kvcache(
             lengths the split is planned for the whole capacity.
         num_splits: blocks each sequence's keys are split over on the GPU, their partial
             results merged: 0 (default) chooses from the batch, KV heads, keys and the GPU's
-            multiprocessors; a number is honoured up to one split per tile of keys. The
-            result is the same up to rounding; the CPU backend and the general GPU path
-            ignore it.
+            multiprocessors; a number is honoured up to one split per tile of keys and 256
+            splits. The result is the same up to rounding; the CPU backend and the general
+            GPU path ignore it.
 
     Returns:
         out (B, Hq, Lq, Dv), and with ``return_lse`` also lse (B, Hq, Lq).

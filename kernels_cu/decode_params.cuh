@@ -24,6 +24,8 @@ struct DecodeParams {
     void* lse;                 // (B, Hq, Lq) contiguous, float32 (float64 for float64 inputs)
     const void* k_new;         // (B, Hk, keys_add, D), last axis contiguous: decode_append writes it
     const void* v_new;         // (B, Hk, keys_add, Dv) into k and v (the caches) before the split
+    i32* counters;             // (B * Hk) splits finished a (sequence, KV head), zero before and
+                               // after a launch (its last block resets it); nullptr if splits == 1
     i64 q_sb, q_sh, q_sr;      // strides in elements
     i64 k_sb, k_sh, k_sr;      // k_sb: a sequence's stride (contiguous) or a block's (paged)
     i64 v_sb, v_sh, v_sr;
@@ -38,7 +40,7 @@ struct DecodeParams {
     i32 causal;                // Causal
     i32 window_left, window_right;  // < 0: unbounded
     i32 page;                  // keys a block of the paged cache (0: contiguous)
-    i32 splits;                // blocks over each sequence's keys (grid y)
+    i32 splits;                // blocks over each sequence's keys (grid y), at most kDecodeMaxSplits
     i32 split_keys;            // keys a split, a multiple of the tile's keys
     i32 keys_all;              // every sequence's keys where `keys` is nullptr
     i32 keys_add;              // keys appended this call: sequence b attends keys[b] + keys_add
@@ -47,7 +49,11 @@ struct DecodeParams {
 };
 // `keys` and `block_table` may be the caller's device arrays, which the host does not read
 // back: a sequence with a bad length or a bad block in its slots in use reads nothing outside
-// the cache and gets NaN outputs and lse (decode_split marks it, decode_merge spreads it).
+// the cache and gets NaN outputs and lse (its splits mark their partials, the merge spreads it).
+
+// Splits a launch has at most (grid y): the last split's merge keeps a weight a (row, split)
+// in shared memory. flashcupy/cuda/params.py's DECODE_MAX_SPLITS, a compiler option.
+constexpr int kDecodeMaxSplits = FLASH_DECODE_MAX_SPLITS;
 
 #ifdef FLASH_DECODE_PARAMS_SIZE
 static_assert(sizeof(DecodeParams) == FLASH_DECODE_PARAMS_SIZE,

@@ -13,8 +13,10 @@
 //   decode_split<T, HK, HV, ROWS, SMEM_BYTES> (float32, float64): the block walks kKeys-key
 //     tiles together on the CUDA cores in the accumulator type (float32 inputs keep float32
 //     products; tensor-core TF32 would not).
-// decode_merge<T>: one block per query row: lse = log-sum-exp over the splits' and the sink's,
-//   O = sum over splits of O_s 2^(lse_s - lse).
+// The last block of a (sequence, KV head) to finish its split merges the splits' partials
+// into the output (decode_merge_splits): lse = log-sum-exp over the splits' and the sink's,
+// O = sum over splits of O_s 2^(lse_s - lse), with no second kernel to launch and wait for
+// (bench/NOTES.md, 'Decode: the last split merges').
 // decode_append<T>: the call's new keys and values written into the caches first.
 //
 // Scores are kept in the log2 domain (scale * log2(e) folded in once) so the softmax uses exp2.
@@ -70,6 +72,7 @@ struct DecodeShape {
     static_assert(kSplit <= 32 && kChunksK % kSplit == 0, "a key's threads share a warp and its chunks");
     static_assert(kChunksV <= kThreads && kThreads % kChunksV == 0, "every V chunk has its threads");
     static_assert(kReduceRows >= 1, "a row of partial O fits the stages");
+    static_assert(ROWS * kDecodeMaxSplits * int(sizeof(Acc)) <= kTilesBytes, "the merge's weights fit the stages");
     static_assert(kBytes <= 227 * 1024, "shared memory of one block on sm_90");
 };
 
@@ -177,6 +180,100 @@ struct DecodeBlock {
         }
     }
 };
+
+// Whether this block is the last of its (sequence, KV head)'s splits to finish, called by
+// every thread after storing its share of the block's partials. The barrier orders the
+// block's stores before thread 0's fence, whose effect covers them (the fence is cumulative),
+// and the fence before the block's count: the last block to count sees every split's
+// partials (it reads them through L2, decode_merge_splits). It zeroes the count for the next
+// launch.
+__device__ __forceinline__ bool decode_last_split(const DecodeParams& p) {
+    __shared__ int sLast;
+    __syncthreads();  // one split: the block's own partials, stored by all its threads, seen by all
+    if (p.splits == 1) return true;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const int done = atomicAdd(p.counters + blockIdx.x, 1);
+        sLast = done == p.splits - 1;
+        if (sLast) {
+            p.counters[blockIdx.x] = 0;
+            __threadfence();  // the other splits' counts come before this block's reads
+        }
+    }
+    __syncthreads();
+    return sLast;
+}
+
+// The splits' partial rows row0 .. row0 + rows - 1 (rows <= ROWS) merged with their sinks into
+// the output: lse2 = log2(2^sink + sum_s 2^lse2_s), then O = sum_s O_s w_s with the weights
+// w_s = 2^(lse2_s - lse2) kept in sW (ROWS, kDecodeMaxSplits) (the block's drained stages), a
+// warp a row for those and a thread a 16-byte chunk of O, eight splits' loads in flight. A
+// split without keys has lse2_s = -inf and weight 0; a row no split and no sink reaches gets
+// O = 0, lse = -inf; a row any split marked NaN (a bad length or block table entry) gets NaN.
+// Other blocks wrote the partials during this launch: they are read through L2
+// (ld.global.cg), never a stale L1 line.
+template <typename Acc> struct Acc16;  // 16 bytes of Acc, as ld.global.cg loads them
+template <> struct Acc16<float> { using type = float4; };
+template <> struct Acc16<double> { using type = double2; };
+
+template <typename T, typename Acc, int ROWS>
+__device__ void decode_merge_splits(const DecodeParams& p, i64 row0, int rows, Acc* sW) {
+    constexpr int VEC = 16 / int(sizeof(Acc));
+    using Chunk = typename Acc16<Acc>::type;
+    __shared__ Acc sLse2[ROWS];
+    const i64 total_rows = i64(p.batch) * p.hq * p.lq;
+    const Acc* gLse = static_cast<const Acc*>(p.lse_part) + row0;
+    const Acc* gO = static_cast<const Acc*>(p.o_part) + row0 * p.dv;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, splits = p.splits;
+    for (int r = warp; r < rows; r += blockDim.x / 32) {
+        Acc* w = sW + r * kDecodeMaxSplits;
+        Acc mx = neg_inf<Acc>();
+        bool bad = false;
+        for (int s = lane; s < splits; s += 32) {
+            const Acc x = __ldcg(gLse + s * total_rows + r);
+            w[s] = x;
+            bad |= x != x;
+            mx = max(mx, x);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        bad = __any_sync(0xffffffffu, bad);
+        const Acc sink = p.sinks != nullptr ? Acc(p.sinks[(row0 + r) / p.lq] * kLog2e) : neg_inf<Acc>();
+        mx = max(mx, sink);
+        const Acc base = mx == neg_inf<Acc>() ? Acc(0) : mx;
+        Acc sum = lane == 0 ? softmax_exp2(sink - base) : Acc(0);
+        for (int s = lane; s < splits; s += 32) sum += softmax_exp2(w[s] - base);
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        const Acc lse2 = bad ? quiet_nan<Acc>() : sum > Acc(0) ? base + log2_acc(sum) : neg_inf<Acc>();
+        // w_s; 0 for every split of a row without keys (and NaN, unread, for a bad row)
+        for (int s = lane; s < splits; s += 32) w[s] = lse2 > neg_inf<Acc>() ? softmax_exp2(w[s] - lse2) : Acc(0);
+        if (lane == 0) sLse2[r] = lse2;
+    }
+    __syncthreads();
+    T* out = static_cast<T*>(p.o) + row0 * p.dv;
+    const int chunks = p.dv / VEC;  // Dv is whole 16-byte chunks of T, so of Acc
+    for (int e = threadIdx.x; e < rows * chunks; e += blockDim.x) {
+        const int r = e / chunks, c = (e % chunks) * VEC;
+        const Acc* w = sW + r * kDecodeMaxSplits;
+        Acc o[VEC] = {};
+#pragma unroll 8
+        for (int s = 0; s < splits; ++s) {
+            const Chunk x = __ldcg(reinterpret_cast<const Chunk*>(gO + (s * total_rows + r) * p.dv + c));
+            const Acc* xv = reinterpret_cast<const Acc*>(&x);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) o[v] += w[s] * xv[v];
+        }
+        const bool bad = sLse2[r] != sLse2[r];
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) out[i64(r) * p.dv + c + v] = static_cast<T>(bad ? quiet_nan<Acc>() : o[v]);
+    }
+    Acc* lse = static_cast<Acc*>(p.lse) + row0;
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        const Acc lse2 = sLse2[r];
+        lse[r] = lse2 > neg_inf<Acc>() ? lse2 / Acc(kLog2e) : lse2;  // NaN and -inf stay
+    }
+}
 
 template <typename T, int HK, int HV, int ROWS, int SMEM_BYTES>
 __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
@@ -394,6 +491,7 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
         const Acc l = sL[r];
         gLse[r] = bad ? quiet_nan<Acc>() : l > Acc(0) ? sM[r] + log2_acc(l) : neg_inf<Acc>();
     }
+    if (decode_last_split(p)) decode_merge_splits<T, Acc, ROWS>(p, row0, rows, reinterpret_cast<Acc*>(smem));
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800  // mma.sync m16n8k16 and ldmatrix: sm_80+
@@ -410,13 +508,13 @@ struct DecodeMmaShape {
     static constexpr int kRows = 16;  // one m16 row tile holds the block's G * Lq rows
     static constexpr int kKeys = 16;  // keys a warp's tile
     static constexpr int kVec = 16 / int(sizeof(T));
-    // Stages a warp: two tiles in flight behind the one in use, two at D 256 (the block's
-    // shared memory stays under one SM's).
-    static constexpr int kStages = HK + HV > 256 ? 2 : 3;
     using KTile = typename TileKind<TMA>::template type<T, kKeys, HK>;  // (kKeys, HK)
     using VTile = typename TileKind<TMA>::template type<T, kKeys, HV>;  // (kKeys, HV)
     static constexpr int kKBytes = KTile::ELEMS * int(sizeof(T)), kVBytes = VTile::ELEMS * int(sizeof(T));
     static constexpr int kStageBytes = kKBytes + kVBytes;
+    // Stages a warp: two tiles in flight behind the one in use, two at D 256 (the block's
+    // shared memory stays under one SM's).
+    static constexpr int kStages = HK + HV > 256 ? 2 : 3;
     static constexpr int kWarpBytes = kStages * kStageBytes;
     static constexpr int kTilesBytes = kWarps * kWarpBytes;
     // After the loop: each warp's O (kRows, HV), m and l (kRows) in float, over the stages.
@@ -429,6 +527,7 @@ struct DecodeMmaShape {
     static constexpr int kBytes = smem_bytes<TMA>(kBarOffset + (TMA ? kWarps * kStages * 8 : 0));
 
     static_assert(sizeof(T) == 2, "mma.sync m16n8k16 takes 16-bit inputs");
+    static_assert(kRows * kDecodeMaxSplits * 4 <= kTilesBytes, "the merge's weights fit the stages");
     static_assert(HK % 16 == 0 && HV % 16 == 0, "m16n8k16 tiles");
     static_assert(kStageBytes % (TMA ? 1024 : 16) == 0 && kBarOffset % 8 == 0, "stages keep the tiles' alignment");
     static_assert(kBytes <= 227 * 1024, "shared memory of one block on sm_90");
@@ -770,6 +869,7 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         const float lr = weights(r, wgt, base);
         gLse[r] = bad ? quiet_nan<float>() : lr > 0.0f ? base + log2_acc(lr) : neg_inf<float>();
     }
+    if (decode_last_split(p)) decode_merge_splits<T, float, ROWS>(p, row0, rows, reinterpret_cast<float*>(smem));
 }
 
 #endif  // sm_80+
@@ -803,46 +903,6 @@ __global__ void __launch_bounds__(128) decode_append(const DecodeParams p) {
         for (int c = threadIdx.x; c < p.d; c += blockDim.x) k_row[c] = k_src[c];
         for (int c = threadIdx.x; c < p.dv; c += blockDim.x) v_row[c] = v_src[c];
     }
-}
-
-// The splits' results of one query row merged, with the row's sink: lse2 = log2(2^sink +
-// sum_s 2^lse2_s), O = sum_s O_s 2^(lse2_s - lse2). A split without keys has lse2_s = -inf and
-// weight 0; a row no split and no sink reaches gets O = 0, lse = -inf; a row any split marked
-// NaN (a bad length or block table entry) gets NaN.
-template <typename T>
-__global__ void __launch_bounds__(128) decode_merge(const DecodeParams p) {
-    using Acc = typename DecodeAccOf<T>::type;
-    const i64 row = blockIdx.x;
-    const i64 total_rows = i64(p.batch) * p.hq * p.lq;
-    const Acc* gLse = static_cast<const Acc*>(p.lse_part);
-    const Acc* gO = static_cast<const Acc*>(p.o_part);
-    Acc mx = neg_inf<Acc>();
-    bool bad = false;
-    for (int s = 0; s < p.splits; ++s) {
-        const Acc x = gLse[s * total_rows + row];
-        bad |= x != x;
-        mx = max(mx, x);
-    }
-    const Acc sink = p.sinks != nullptr ? Acc(p.sinks[row / p.lq] * kLog2e) : neg_inf<Acc>();
-    mx = max(mx, sink);
-    const Acc base = mx == neg_inf<Acc>() ? Acc(0) : mx;
-    Acc sum = softmax_exp2(sink - base);
-    for (int s = 0; s < p.splits; ++s) sum += softmax_exp2(gLse[s * total_rows + row] - base);
-    const bool any = sum > Acc(0);
-    const Acc lse2 = any ? base + log2_acc(sum) : neg_inf<Acc>();
-    T* out = static_cast<T*>(p.o) + row * p.dv;
-    for (int c = threadIdx.x; c < p.dv; c += blockDim.x) {
-        Acc o = 0;
-        if (any) {
-            for (int s = 0; s < p.splits; ++s) {
-                const Acc w = softmax_exp2(gLse[s * total_rows + row] - lse2);
-                o += w * gO[(s * total_rows + row) * p.dv + c];
-            }
-        }
-        out[c] = static_cast<T>(bad ? quiet_nan<Acc>() : o);
-    }
-    if (threadIdx.x == 0)
-        static_cast<Acc*>(p.lse)[row] = bad ? quiet_nan<Acc>() : any ? lse2 / Acc(kLog2e) : neg_inf<Acc>();
 }
 
 }  // namespace flash

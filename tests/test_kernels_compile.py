@@ -607,13 +607,13 @@ def _decode_kernels(arch: int) -> list[str]:
     """The decode kernels (kernels_cu/flash_decode.cu) a call can reach on ``arch``: mma.sync
     for 16-bit on sm_80+ at every head-dim pair (cp.async copies, and on sm_90 tensor copies
     where both head dims are at least 64), the CUDA-core kernel for float32 and float64
-    (and 16-bit before sm_80) at each row count, and the merges and appends, named as
+    (and 16-bit before sm_80) at each row count, and the appends, named as
     decode.plan names them."""
     from flashcupy.cuda import decode
     from flashcupy.cuda.spec import CXX_TYPE
 
     dims = decode.HEAD_DIMS
-    names = [f"flash::decode_{role}<{t}>" for t in CXX_TYPE.values() for role in ("merge", "append")]
+    names = [f"flash::decode_append<{t}>" for t in CXX_TYPE.values()]
     for dtype, cxx in CXX_TYPE.items():
         if dtype in ("float16", "bfloat16") and arch >= 80:
             names += [f"flash::decode_split_mma<{cxx}, {hk}, {hv}, {str(tma).lower()}, "
@@ -650,9 +650,9 @@ def _check_decode(arch: int, names: list[str]) -> None:
 
 @pytest.mark.parametrize("arch", [75, 80, 90])
 def test_decode_kernels_compile(arch):
-    """The representative check: a few decode kernels of each path and the merges."""
+    """The representative check: a few decode kernels of each path and the append."""
     names = _decode_kernels(arch)
-    keep = ("decode_merge<__half>", "decode_append<__half>", "decode_split_mma<__half, 128, 128, false,",
+    keep = ("decode_append<__half>", "decode_split_mma<__half, 64, 64, true,", "decode_split_mma<__half, 128, 128, false,",
             "decode_split_mma<__half, 128, 128, true,", "decode_split<float, 64, 64, 4,",
             "decode_split<__half, 64, 64, 1,")
     _check_decode(arch, [n for n in names if any(k in n for k in keep)])

@@ -356,6 +356,42 @@ def test_decode_splits_change_nothing_but_rounding():
 
 
 @pytest.mark.gpu
+def test_a_captured_decode_call_replays_beside_eager_calls():
+    """The last split of each (sequence, KV head) merges, found by a count kept a stream: a
+    call captured in a CUDA graph (its counts zeroed by the graph) replays on new query values
+    between eager calls on the same stream, and every result equals its call made alone."""
+    import cupy
+
+    rs = np.random.default_rng(21)
+    kc, vc = (cupy.asarray(rs.standard_normal((2, 2, 3000, 64)).astype(F16)) for _ in range(2))
+    queries = [cupy.asarray(rs.standard_normal((2, 8, 1, 64)).astype(F16)) for _ in range(3)]
+    q = queries[0].copy()  # the captured call's input buffer
+
+    def call(x):
+        return fc.flash_attention_with_kvcache(x, kc, vc, num_splits=5, return_lse=True)
+
+    alone = [[a.get() for a in call(x)] for x in queries]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        call(q)  # compiled and planned before the capture
+        stream.begin_capture()
+        captured = call(q)
+        graph = stream.end_capture()
+        for n in (1, 2, 1):
+            other = (n + 1) % 3
+            q[...] = queries[n]
+            # Each result read before the next launch: the graph's partials live in memory
+            # CuPy's pool freed after the capture, which later calls may be handed.
+            got = [[a.get() for a in call(queries[other])]]
+            graph.launch(stream)
+            got.append([a.get() for a in captured])
+            got.append([a.get() for a in call(queries[n])])
+            for g, w in zip(got, (alone[other], alone[n], alone[n]), strict=True):
+                np.testing.assert_array_equal(g[0], w[0])
+                np.testing.assert_array_equal(g[1], w[1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "paged16", "paged48", "paged8"])
 @pytest.mark.parametrize("d, dv", [(128, 128), (80, 64), (256, 128)])
 def test_tensor_copies_read_only_the_keys_in_use(layout, d, dv):

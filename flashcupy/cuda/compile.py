@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-from .params import BWD_PARAMS_DTYPE, DECODE_PARAMS_DTYPE, PARAMS_DTYPE
+from .params import BWD_PARAMS_DTYPE, DECODE_MAX_SPLITS, DECODE_PARAMS_DTYPE, PARAMS_DTYPE
 from .spec import arch_flag
 
 _SOURCES = {"forward": "flash_fwd.cu", "backward": "flash_bwd.cu", "decode": "flash_decode.cu",
@@ -110,6 +110,7 @@ def compile_options() -> tuple[str, ...]:
         f"-DFLASH_PARAMS_SIZE={PARAMS_DTYPE.itemsize}",
         f"-DFLASH_BWD_PARAMS_SIZE={BWD_PARAMS_DTYPE.itemsize}",
         f"-DFLASH_DECODE_PARAMS_SIZE={DECODE_PARAMS_DTYPE.itemsize}",
+        f"-DFLASH_DECODE_MAX_SPLITS={DECODE_MAX_SPLITS}",
         f"-DFLASH_SOURCE_HASH={source_hash()}",
     )
 

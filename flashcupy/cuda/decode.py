@@ -2,7 +2,8 @@
 
 One block per (sequence, KV head, split of the keys) holds every query row that reads that KV
 head (the query heads of its group times Lq), so each key and value is read once per group;
-the splits' partial outputs and log-sum-exps are merged by a second kernel, with the sinks.
+the last block of a (sequence, KV head) to finish merges the splits' partial outputs and
+log-sum-exps, with the sinks (its count of finished splits: :func:`counters`).
 Paged caches are read through the block table in place. :func:`unsupported` says which calls
 this path takes; :mod:`flashcupy.kvcache` sends the others to the general forward.
 """
@@ -27,7 +28,7 @@ from .tensor_map import MAP_BYTES, TensorMapError, TiledLayout, strides_for
 HEAD_DIMS = (32, 64, 128, 256)
 #: Query rows a block holds: G * Lq (query heads a KV head times queries a sequence) at most.
 MAX_ROWS = 16
-#: Threads of decode_split and decode_merge; stages of decode_split's copies (DecodeShape).
+#: Threads of the decode kernels; stages of decode_split's copies (DecodeShape).
 THREADS = 128
 STAGES = 4
 #: Keys a split takes at least when the count is chosen (num_splits=0): below that the merge
@@ -133,33 +134,60 @@ def _unsupported(device_id: int, *arrays: tuple) -> str | None:
 
 
 @functools.cache
-def _resident_blocks(device_id: int, smem: int, regs: int) -> int:
-    """Blocks of decode_split an SM holds at once: multiprocessors times the blocks each takes
-    by its shared memory (1 KB of it reserved a block) and registers."""
+def _busy_blocks(device_id: int, smem: int, regs: int, copies: str) -> int:
+    """Blocks of a split kernel that keep the GPU busy: what the SMs hold at once, by shared
+    memory (1 KB of it reserved a block) and registers, and for decode_split_mma half that (a
+    block an SM at D 128, two at D 64: filling every slot only added splits to merge,
+    bench/NOTES.md, 'Decode: the last split merges')."""
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
     by_smem = int(props["sharedMemPerMultiprocessor"]) // (smem + 1024)
     by_regs = int(props["regsPerMultiprocessor"]) // max(1, regs * THREADS)
-    return int(props["multiProcessorCount"]) * max(1, min(by_smem, by_regs))
+    resident = int(props["multiProcessorCount"]) * max(1, min(by_smem, by_regs))
+    return resident if copies == "simt" else max(1, resident // 2)
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
     """Splits over the keys when the caller leaves it to us. With S splits the kernel runs
-    ceil(blocks S / slots) waves of blocks that each do 1/S of a sequence's keys; S minimises
-    that time, with 1% a split added for the merge and each block's fixed work, each split at
-    least MIN_SPLIT_KEYS keys. A grid a little over one wave (512 blocks on 396 slots) thus
-    splits in 3 rather than run a second, mostly idle wave."""
-    most = max(1, min(256, max_keys // MIN_SPLIT_KEYS))
+    ceil(blocks S / slots) waves of blocks (slots: :func:`_busy_blocks`) that each do 1/S of a
+    sequence's keys; S minimises that time, with 1% a split added for the merge and each
+    block's fixed work, each split at least MIN_SPLIT_KEYS keys. A grid a little over one wave
+    (512 blocks on 396 slots) thus splits in 3 rather than run a second, mostly idle wave."""
+    most = max(1, min(P.DECODE_MAX_SPLITS, max_keys // MIN_SPLIT_KEYS))
     blocks, slots = max(blocks, 1), max(slots, 1)
     return min(range(1, most + 1), key=lambda s: -(-blocks * s // slots) / s * (1 + 0.01 * s))
 
 
+def counters(blocks: int, device_id: int, stream: Any) -> Any:
+    """``blocks`` int32 counts of finished splits, zero, for a split launch on ``stream`` (the
+    last block of each (sequence, KV head) zeroes its count again for the next launch). Kept
+    a stream, where launches run in order; a stream being captured into a CUDA graph gets
+    fresh ones, zeroed by a node of the graph, so replays share counts with no other work."""
+    import cupy as cp
+
+    key = (device_id, stream.ptr)
+    kept = _COUNTERS.get(key)
+    capturing = stream.is_capturing()
+    if kept is not None and kept.size >= blocks and not capturing:
+        return kept
+    fresh = cp.zeros(max(blocks, 2 * kept.size if kept is not None else 0), np.int32)  # zeroed on the stream
+    if not capturing:
+        if len(_COUNTERS) >= 1024:  # a few streams a process: bounded all the same
+            _COUNTERS.clear()
+        _COUNTERS[key] = fresh
+    return fresh
+
+
+#: Each stream's counts of finished splits (:func:`counters`) by (device, stream).
+_COUNTERS: dict[tuple[int, int], Any] = {}
+
+
 def kernels(q: Any, v_cache: Any, pb: Problem, page: int = 0,
-            tma: bool = True) -> tuple[Any, Any, Any, int, int, str]:
-    """(split kernel, merge kernel, append kernel, keys a step, shared memory, the split
-    kernel's copies as :func:`plan` names them) of a call,
+            tma: bool = True) -> tuple[Any, Any, int, int, str]:
+    """(split kernel, append kernel, keys a step, shared memory, the split kernel's copies
+    as :func:`plan` names them) of a call,
     compiled (once a process; flash_attention_with_kvcache asks before it writes the cache,
     so a compile error leaves the cache as it was). page: keys a block of a paged cache (0:
     contiguous); tensor copies where ``tma`` and the layout allows (:func:`tma_fits`, pages of
@@ -168,15 +196,13 @@ def kernels(q: Any, v_cache: Any, pb: Problem, page: int = 0,
     split_name, tile, smem, copies = plan(pb.dtype, q.shape[-1], v_cache.shape[-1], pb.group_size * q.shape[2],
                                           q.device.id, tma)
     split_fn = get_function("decode", split_name, q.device.id, smem)
-    cxx = CXX_TYPE[_dtype_name(pb.dtype)]
-    merge_fn = get_function("decode", f"flash::decode_merge<{cxx}>", q.device.id)
-    append_fn = get_function("decode", f"flash::decode_append<{cxx}>", q.device.id)
-    return split_fn, merge_fn, append_fn, tile, smem, copies
+    append_fn = get_function("decode", f"flash::decode_append<{CXX_TYPE[_dtype_name(pb.dtype)]}>", q.device.id)
+    return split_fn, append_fn, tile, smem, copies
 
 
 #: DecodeParams' fields each launch fills (pointers, then the split of the keys), in DecodePlan's order.
 _FILLED = ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o", "lse", "k_new",
-           "v_new", "splits", "split_keys", "keys_all")
+           "v_new", "counters", "splits", "split_keys", "keys_all")
 
 
 def _template(fields: tuple[tuple[str, Any], ...]) -> P.Template:
@@ -186,10 +212,9 @@ def _template(fields: tuple[tuple[str, Any], ...]) -> P.Template:
 
 class DecodePlan:
     """What every decode call of one layout shares: its kernels, their shared memory and
-    resident blocks, the output shapes and the parameter block's fixed fields (shapes,
-    strides, scale and score options). Made once per layout by :func:`plan_for`; each call
-    then costs its allocations, one block fill and two launches, three with an append
-    (:meth:`launch`)."""
+    busy blocks, the output shapes and the parameter block's fixed fields (shapes, strides,
+    scale and score options). Made once per layout by :func:`plan_for`; each call then costs
+    its allocations, one block fill and one launch, two with an append (:meth:`launch`)."""
 
     def __init__(self, q: Any, k_cache: Any, v_cache: Any, pb: Problem, k: Any, v: Any, page: int,
                  table_stride: int, capacity: int, num_blocks: int) -> None:
@@ -200,8 +225,7 @@ class DecodePlan:
         self.out_shape, self.lse_shape = (batch, hq, lq, self.dv), (batch, hq, lq)
         self.rows = batch * hq * lq
         self.blocks = batch * self.hk
-        self.split_fn, self.merge_fn, self.append_fn, self.tile, self.smem, self.copies = kernels(q, v_cache, pb,
-                                                                                                  page)
+        self.split_fn, self.append_fn, self.tile, self.smem, self.copies = kernels(q, v_cache, pb, page)
         #: Tensor maps of the caches by their addresses (TMA kernels; else a zero block).
         self._maps: dict[tuple[int, int], Any] = {}
         self._map_layouts: list[TiledLayout] = []  # the K and V caches' shapes, as the driver takes them
@@ -211,14 +235,13 @@ class DecodePlan:
             try:
                 self.maps(k_cache, v_cache)
             except TensorMapError:  # the driver refuses this layout: cp.async copies instead
-                self.split_fn, _, _, self.tile, self.smem, self.copies = kernels(q, v_cache, pb, page, tma=False)
+                self.split_fn, _, self.tile, self.smem, self.copies = kernels(q, v_cache, pb, page, tma=False)
         import cupy
 
         with cupy.cuda.Device(self.device_id):  # the CUfunctions of q's device, launched through the driver
-            self.split_ptr, self.merge_ptr, self.append_ptr = (f.kernel.ptr for f in (self.split_fn, self.merge_fn,
-                                                                                      self.append_fn))
+            self.split_ptr, self.append_ptr = self.split_fn.kernel.ptr, self.append_fn.kernel.ptr
         self.new = 0 if k is None else k.shape[2]
-        self.slots = _resident_blocks(self.device_id, self.smem, int(getattr(self.split_fn, "num_regs", 0)))
+        self.slots = _busy_blocks(self.device_id, self.smem, int(getattr(self.split_fn, "num_regs", 0)), self.copies)
         #: q is copied when its last axis is strided (the kernels read 16-byte chunks).
         self.copy_q = q.strides[-1] != q.itemsize
         q_strides = _elem_strides(q) if not self.copy_q else _packed(q.shape)
@@ -267,17 +290,19 @@ class DecodePlan:
 
     def splits(self, max_keys: int, num_splits: int) -> tuple[int, int]:
         """(splits, keys a split) for sequences of at most ``max_keys`` keys: ``num_splits``
-        (0: chosen by :func:`choose_splits`) cut to one split per step of the key loop."""
+        (0: chosen by :func:`choose_splits`) cut to one split per step of the key loop and to
+        DECODE_MAX_SPLITS."""
         if num_splits <= 0:
             num_splits = choose_splits(self.blocks, max_keys, self.slots)
         tiles = max(1, -(-max_keys // self.tile))
-        split_keys = -(-tiles // min(num_splits, tiles, 65535)) * self.tile  # grid y <= 65535
+        split_keys = -(-tiles // min(num_splits, tiles, P.DECODE_MAX_SPLITS)) * self.tile
         return max(1, -(-max_keys // split_keys)), split_keys
 
     def launch(self, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, lengths: Any, max_keys: int, table: Any,
                alibi: Any, sinks: Any, num_splits: int, want_lse: bool = True) -> tuple[Any, Any]:
         """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of one call, after k and v (B, Hk, Lnew, D /
-        Dv; None without an append) are written into the caches. lengths: an int, every
+        Dv; None without an append) are written into the caches, on the current stream.
+        lengths: an int, every
         sequence's keys after the append, or a device (B,) int32 array of each one's before it
         (its bad values give NaN, see decode_params.cuh); max_keys: the most keys a sequence
         attends (the split is planned for it); table: the device int32 block table this plan's
@@ -307,14 +332,16 @@ class DecodePlan:
         lse_part = o_part + splits * self.rows * self.dv * item
         lse_ptr = lse.data.ptr if lse is not None else lse_part + splits * self.rows * item
         per_sequence = not isinstance(lengths, int)
+        stream = cp.cuda.get_current_stream()
+        count = counters(self.blocks, self.device_id, stream) if splits > 1 else None
         call = self._arguments.get()
         self.template.fill_into(
             call.block, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths.data.ptr if per_sequence else 0,
             0 if table is None else table.data.ptr, 0 if alibi is None else alibi.data.ptr,
             0 if sinks is None else sinks.data.ptr, o_part, lse_part, out.data.ptr, lse_ptr,
-            k.data.ptr if self.new else 0, v.data.ptr if self.new else 0,
+            k.data.ptr if self.new else 0, v.data.ptr if self.new else 0, 0 if count is None else count.data.ptr,
             splits, split_keys, 0 if per_sequence else lengths)
-        stream = cp.cuda.get_current_stream().ptr
+        stream = stream.ptr
         bind_context(self.device_id)
         if self.new:
             launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, call.one, 0, stream)
@@ -325,8 +352,7 @@ class DecodePlan:
                 call.pair[1] = ctypes.addressof(call.maps)
                 split_args = call.pair_ptr
             launch_ptr(self.split_ptr, (self.blocks, splits), THREADS, split_args, self.smem, stream)
-            launch_ptr(self.merge_ptr, (self.rows,), THREADS, call.one, 0, stream)
-        del part  # CuPy's pool hands freed memory only to later work on the stream
+        del part, count  # CuPy's pool hands freed memory only to later work on the stream
         return out, lse
 
 
@@ -336,7 +362,7 @@ _NO_MAPS = (ctypes.c_char * (2 * MAP_BYTES))()
 
 class _Arguments(KeptBlock):
     """One thread's DecodeParams block for a plan's launches (the plan's fixed fields written
-    once, the rest by each call): ``one`` for the append, the CUDA-core split and the merge,
+    once, the rest by each call): ``one`` for the append and the CUDA-core split,
     and ``pair`` (the block, then the split's DecodeMaps) at ``pair_ptr`` for decode_split_mma."""
 
     def __init__(self, template: P.Template) -> None:

@@ -51,7 +51,7 @@ BWD_PARAMS_DTYPE = np.dtype(
 #: flash::DecodeParams (kernels_cu/decode_params.cuh): the split-KV decode kernels' block.
 DECODE_PARAMS_DTYPE = np.dtype(
     [(n, np.uint64) for n in ("q", "k", "v", "keys", "block_table", "alibi", "sinks", "o_part", "lse_part", "o",
-                              "lse", "k_new", "v_new")]
+                              "lse", "k_new", "v_new", "counters")]
     + [(n, np.int64) for n in ("q_sb", "q_sh", "q_sr", "k_sb", "k_sh", "k_sr", "v_sb", "v_sh", "v_sr", "bt_sb",
                                "kn_sb", "kn_sh", "kn_sr", "vn_sb", "vn_sh", "vn_sr")]
     + [("scale", np.float64), ("softcap", np.float64)]
@@ -59,6 +59,10 @@ DECODE_PARAMS_DTYPE = np.dtype(
                                "page", "splits", "split_keys", "keys_all", "keys_add", "capacity", "num_blocks")],
     align=True,
 )
+
+#: Splits of a decode launch at most (kDecodeMaxSplits, a compiler option): the last split's
+#: merge keeps a weight a (row, split) in shared memory.
+DECODE_MAX_SPLITS = 256
 
 #: flash::Causal.
 CAUSAL_CODE = {None: 0, "bottom_right": 1, "top_left": 2}
