@@ -32,8 +32,9 @@ MAX_ROWS = 16
 THREADS = 128
 STAGES = 4
 #: Keys a split takes at least when the count is chosen (num_splits=0): below that the merge
-#: and the block's setup outweigh what the extra blocks add.
-MIN_SPLIT_KEYS = 512
+#: and the block's setup outweigh what the extra blocks add (B 1, 16k keys, D 128: 16 splits
+#: ran faster than 32).
+MIN_SPLIT_KEYS = 1024
 
 
 #: Warps of decode_split_mma and keys a warp's tile: a block steps over WARPS * 16 keys.
@@ -136,16 +137,17 @@ def _unsupported(device_id: int, *arrays: tuple) -> str | None:
 @functools.cache
 def _busy_blocks(device_id: int, smem: int, regs: int, copies: str) -> int:
     """Blocks of a split kernel that keep the GPU busy: what the SMs hold at once, by shared
-    memory (1 KB of it reserved a block) and registers, and for decode_split_mma half that (a
-    block an SM at D 128, two at D 64: filling every slot only added splits to merge,
+    memory (1 KB of it reserved a block) and registers; for decode_split_mma at most two an SM
+    (at D 64, where four fit, two an SM ran faster: the other two only added splits to merge;
     bench/NOTES.md, 'Decode: the last split merges')."""
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    sms = int(props["multiProcessorCount"])
     by_smem = int(props["sharedMemPerMultiprocessor"]) // (smem + 1024)
     by_regs = int(props["regsPerMultiprocessor"]) // max(1, regs * THREADS)
-    resident = int(props["multiProcessorCount"]) * max(1, min(by_smem, by_regs))
-    return resident if copies == "simt" else max(1, resident // 2)
+    each = max(1, min(by_smem, by_regs))
+    return sms * (each if copies == "simt" else min(each, 2))
 
 
 @functools.lru_cache(maxsize=1024)
