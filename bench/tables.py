@@ -44,7 +44,7 @@ SOURCES: dict[str, list[str]] = {
                 "nvidia-h200-2026-11-28-options-softcap-once.json", "nvidia-h200-2026-11-28-options-softcap-fma.json",
                 "nvidia-h200-2026-11-28-options-wide.json", "nvidia-h200-2026-11-28-options-f32-staged.json",
                 "nvidia-h200-2026-11-28-options-f64-staged.json", "nvidia-h200-2026-11-28-options-triple.json"],
-    "decode": ["nvidia-h200-2026-11-28-decode-tma.json"],
+    "decode": ["nvidia-h200-2026-11-28-decode-merge.json"],
     "overhead": ["nvidia-h200-2026-11-28-overhead-graph.json"],
     "cpu": ["cpu-2026-11-27.json"],
 }
