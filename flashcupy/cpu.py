@@ -502,7 +502,11 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
     scale, scale2 = acc.type(pb.scale), acc.type(pb.scale * LOG2E)
 
     groups = _groups(pb)
-    splits = backward_splits(pb, len(groups))
+    # A dbias shared by groups (a bias broadcast over batch or heads) makes one task of the
+    # units that add into each of its slices (_backward_tasks): split the keys as if there
+    # were as many groups as slices, so that every core has a task.
+    parallel = len({frozenset(_dbias_target(pb, seg)[0] for seg in g) for g in groups}) if bias_grad else len(groups)
+    splits = backward_splits(pb, parallel)
     # Key ranges of whole tiles, cut at the same keys in every group (from the longest), so
     # that one part's units of all groups touch the same dbias columns: _backward_tasks runs
     # those of a shared dbias slice in one task, and the parts' columns never overlap.

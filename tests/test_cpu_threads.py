@@ -119,6 +119,31 @@ def test_backward_splits_depend_on_the_machine_not_the_thread_count():
         assert cpu.backward_splits(pb, 4) == 1
 
 
+def test_a_shared_dbias_still_gives_every_core_a_task(monkeypatch):
+    """A bias broadcast over batch and heads puts every group's units that add into one dbias
+    slice in one task: the keys are split so the cores still get tasks (it had run serially),
+    and the gradients stay bitwise alike on every thread count and match the reference."""
+    counts = []
+    run_tasks = cpu_parallel.run_tasks
+    monkeypatch.setattr(cpu_parallel, "run_tasks",
+                        lambda tasks, *a, **kw: counts.append(len(tasks)) or run_tasks(tasks, *a, **kw))
+    monkeypatch.setattr(cpu, "MACHINE_CORES", 2)
+    rs = np.random.default_rng(6)
+    q, k, v, dout = (rs.standard_normal((2, 4, 1500, 16)).astype(np.float32) for _ in range(4))
+    bias = rs.standard_normal((1500, 1500)).astype(np.float32)  # keys over two of the backward's key tiles
+    grads = []
+    for threads in (1, 2):
+        with fc.cpu_threads(threads):
+            _, vjp = fc.flash_attention_vjp(q, k, v, bias=bias, backend="cpu")
+            counts.clear()
+            grads.append(vjp(dout))
+            assert counts and counts[-1] >= 2
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for got, ref in zip(grads[0], fc.reference.attention_reference_backward(dout, q, k, v, bias=bias), strict=True):
+        np.testing.assert_allclose(got, ref, atol=1e-3, rtol=1e-3)
+
+
 # --------------------------------------------------------------------------- settings
 
 
