@@ -601,6 +601,43 @@ def test_decode_split_count_fills_waves_of_resident_blocks():
     assert choose_splits(8, 100, 264) == 1
 
 
+def test_decode_counts_are_kept_a_stream_and_a_thread_on_the_per_thread_stream(monkeypatch):
+    """decode.counters: one array of split counts a stream (grown for a larger grid), one a
+    thread on the per-thread default stream (one handle, another stream in each thread: a
+    shared array let two threads' launches count into each other's), fresh and not kept
+    while the stream is captured into a CUDA graph."""
+    import contextlib
+    import threading
+
+    cupy = pytest.importorskip("cupy")
+    from flashcupy.cuda import decode
+
+    monkeypatch.setattr(cupy, "zeros", lambda n, dtype: np.zeros(n, dtype))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(decode, "_COUNTERS", {})
+
+    class Stream:
+        def __init__(self, ptr: int, capturing: bool = False) -> None:
+            self.ptr, self.capturing = ptr, capturing
+
+        def is_capturing(self) -> bool:
+            return self.capturing
+
+    a, b = Stream(0x1230), Stream(0x4560)
+    first = decode.counters(8, 0, a)
+    assert decode.counters(4, 0, a) is first and decode.counters(8, 0, b) is not first
+    grown = decode.counters(20, 0, a)
+    assert grown.size >= 20 and decode.counters(20, 0, a) is grown
+    captured = decode.counters(8, 0, Stream(a.ptr, capturing=True))
+    assert captured is not grown and captured.size == 8 and decode.counters(8, 0, a) is grown
+    per_thread = Stream(decode._PER_THREAD_STREAM)
+    mine, theirs = decode.counters(8, 0, per_thread), []
+    thread = threading.Thread(target=lambda: theirs.append(decode.counters(8, 0, per_thread)))
+    thread.start()
+    thread.join()
+    assert theirs[0] is not mine and decode.counters(8, 0, per_thread) is mine
+
+
 def test_decode_parameter_template_packs_like_pack():
     """The cached parameter block with its per-call fields filled is the block pack() builds."""
     from flashcupy.cuda import params as P

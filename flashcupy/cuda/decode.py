@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -165,16 +166,20 @@ def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
 def counters(blocks: int, device_id: int, stream: Any) -> Any:
     """``blocks`` int32 counts of finished splits, zero, for a split launch on ``stream`` (the
     last block of each (sequence, KV head) zeroes its count again for the next launch). Kept
-    a stream, where launches run in order; a stream being captured into a CUDA graph gets
+    a stream, where launches run in order (the per-thread default stream, one handle for a
+    different stream in each thread, a thread); a stream being captured into a CUDA graph gets
     fresh ones, zeroed by a node of the graph, so replays share counts with no other work."""
     import cupy as cp
 
-    key = (device_id, stream.ptr)
+    per_thread = threading.get_ident() if stream.ptr == _PER_THREAD_STREAM else 0
+    key = (device_id, stream.ptr, per_thread)
     kept = _COUNTERS.get(key)
     capturing = stream.is_capturing()
     if kept is not None and kept.size >= blocks and not capturing:
         return kept
-    fresh = cp.zeros(max(blocks, 2 * kept.size if kept is not None else 0), np.int32)  # zeroed on the stream
+    size = blocks if capturing or kept is None else max(blocks, 2 * kept.size)
+    with cp.cuda.Device(device_id):
+        fresh = cp.zeros(size, np.int32)  # zeroed on the stream
     if not capturing:
         if len(_COUNTERS) >= 1024:  # a few streams a process: bounded all the same
             _COUNTERS.clear()
@@ -182,8 +187,11 @@ def counters(blocks: int, device_id: int, stream: Any) -> Any:
     return fresh
 
 
-#: Each stream's counts of finished splits (:func:`counters`) by (device, stream).
-_COUNTERS: dict[tuple[int, int], Any] = {}
+#: cudaStreamPerThread's handle.
+_PER_THREAD_STREAM = 2
+
+#: Each stream's counts of finished splits (:func:`counters`) by (device, stream, thread).
+_COUNTERS: dict[tuple[int, int, int], Any] = {}
 
 
 def kernels(q: Any, v_cache: Any, pb: Problem, page: int = 0,
