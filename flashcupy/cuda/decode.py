@@ -312,12 +312,12 @@ class DecodePlan:
                alibi: Any, sinks: Any, num_splits: int, want_lse: bool = True) -> tuple[Any, Any]:
         """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of one call, after k and v (B, Hk, Lnew, D /
         Dv; None without an append) are written into the caches, on the current stream.
-        lengths: an int, every
-        sequence's keys after the append, or a device (B,) int32 array of each one's before it
-        (its bad values give NaN, see decode_params.cuh); max_keys: the most keys a sequence
-        attends (the split is planned for it); table: the device int32 block table this plan's
-        stride describes, or None; alibi, sinks: device (B, Hq) float64 arrays or None. Without
-        ``want_lse`` the lse returned is None (the merge writes it beside the partials)."""
+        lengths: an int, every sequence's keys after the append, or a device (B,) int32 array
+        of each one's before it (its bad values give NaN, see decode_params.cuh); max_keys: the
+        most keys a sequence attends (the split is planned for it); table: the device int32
+        block table this plan's stride describes, or None; alibi, sinks: device (B, Hq) float64
+        arrays or None. Without ``want_lse`` the lse returned is None (the merge writes it
+        beside the partials)."""
         import cupy as cp
 
         out = _empty(self.out_shape, self.dtype, cp)
