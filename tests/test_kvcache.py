@@ -601,6 +601,29 @@ def test_decode_split_count_fills_waves_of_resident_blocks():
     assert choose_splits(8, 100, 264) == 1
 
 
+@pytest.mark.parametrize("num_splits", [0, 1, 7, 256, 257, 10**6])
+def test_decode_splits_stay_within_the_merges_shared_memory(num_splits):
+    """DecodePlan.splits: any num_splits gives at most DECODE_MAX_SPLITS splits (the last
+    split's merge keeps a weight a split in shared memory, sized for that many), at most one
+    a step of the key loop, no more than asked, and splits of whole steps covering every key
+    (exactly the count asked where it divides the steps)."""
+    from types import SimpleNamespace
+
+    from flashcupy.cuda import decode
+    from flashcupy.cuda.params import DECODE_MAX_SPLITS
+
+    plan = SimpleNamespace(tile=64, blocks=8, slots=264)
+    for keys in (1, 64, 1000, 1 << 17, 1 << 20):
+        splits, split_keys = decode.DecodePlan.splits(plan, keys, num_splits)
+        assert 1 <= splits <= min(DECODE_MAX_SPLITS, -(-keys // plan.tile))
+        assert split_keys % plan.tile == 0 and splits * split_keys >= keys > (splits - 1) * split_keys
+        if num_splits:
+            assert splits <= num_splits
+            steps = -(-keys // plan.tile)
+            if num_splits <= DECODE_MAX_SPLITS and steps % num_splits == 0:
+                assert splits == num_splits
+
+
 def test_decode_counts_are_kept_a_stream_and_a_thread_on_the_per_thread_stream(monkeypatch):
     """decode.counters: one array of split counts a stream (grown for a larger grid), one a
     thread on the per-thread default stream (one handle, another stream in each thread: a
