@@ -204,6 +204,10 @@ __device__ __forceinline__ bool decode_last_split(const DecodeParams& p) {
     return sLast;
 }
 
+template <typename Acc> struct Acc16;  // 16 bytes of Acc, as ld.global.cg loads them
+template <> struct Acc16<float> { using type = float4; };
+template <> struct Acc16<double> { using type = double2; };
+
 // The splits' partial rows row0 .. row0 + rows - 1 (rows <= ROWS) merged with their sinks into
 // the output: lse2 = log2(2^sink + sum_s 2^lse2_s), then O = sum_s O_s w_s with the weights
 // w_s = 2^(lse2_s - lse2) kept in sW (ROWS, kDecodeMaxSplits) (the block's drained stages), a
@@ -212,10 +216,6 @@ __device__ __forceinline__ bool decode_last_split(const DecodeParams& p) {
 // O = 0, lse = -inf; a row any split marked NaN (a bad length or block table entry) gets NaN.
 // Other blocks wrote the partials during this launch: they are read through L2
 // (ld.global.cg), never a stale L1 line.
-template <typename Acc> struct Acc16;  // 16 bytes of Acc, as ld.global.cg loads them
-template <> struct Acc16<float> { using type = float4; };
-template <> struct Acc16<double> { using type = double2; };
-
 template <typename T, typename Acc, int ROWS>
 __device__ void decode_merge_splits(const DecodeParams& p, i64 row0, int rows, Acc* sW) {
     constexpr int VEC = 16 / int(sizeof(Acc));

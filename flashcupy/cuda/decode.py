@@ -342,8 +342,8 @@ class DecodePlan:
         lse_part = o_part + splits * self.rows * self.dv * item
         lse_ptr = lse.data.ptr if lse is not None else lse_part + splits * self.rows * item
         per_sequence = not isinstance(lengths, int)
-        stream = cp.cuda.get_current_stream()
-        count = counters(self.blocks, self.device_id, stream) if splits > 1 else None
+        current = cp.cuda.get_current_stream()
+        count = counters(self.blocks, self.device_id, current) if splits > 1 else None
         call = self._arguments.get()
         self.template.fill_into(
             call.block, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths.data.ptr if per_sequence else 0,
@@ -351,7 +351,7 @@ class DecodePlan:
             0 if sinks is None else sinks.data.ptr, o_part, lse_part, out.data.ptr, lse_ptr,
             k.data.ptr if self.new else 0, v.data.ptr if self.new else 0, 0 if count is None else count.data.ptr,
             splits, split_keys, 0 if per_sequence else lengths)
-        stream = stream.ptr
+        stream = current.ptr
         bind_context(self.device_id)
         if self.new:
             launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, call.one, 0, stream)
