@@ -75,7 +75,9 @@ def gradient_names(options: dict[str, Any]) -> tuple[str, ...]:
 
 def cancelling_terms(case: AttentionProblem, ref: dict[str, np.ndarray]) -> dict[str, float]:
     """:func:`flashcupy.testing.cancelling_terms` for a drawn case."""
-    return testing.cancelling_terms(case.q, case.k, case.dout, ref["out"], case.options.get("scale"))
+    bias = case.options.get("bias")
+    return testing.cancelling_terms(case.q, case.k, case.dout, ref["out"], case.options.get("scale"),
+                                    None if bias is None else np.shape(bias))
 
 
 @contextlib.contextmanager

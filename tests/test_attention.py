@@ -58,6 +58,8 @@ def test_forward_matches_reference(case: Case) -> None:
                bias=np.ones((1, 65)), dropout_p=0.5, seed=2**63 + 1))  # GQA (MQA) with every grad
 @example(_case((2, 1025, 59), (2, 1025, 59), dtype=F32, tiles=(256, 256),
                bias=np.zeros((2, 1, 1025), np.float32)))
+@example(_case((2, 4, 16, 40), (2, 2, 50, 40), dv=1, dtype=F16, data_seed=4, scale=-0.97, bias=np.full((1, 1), -0.18),
+               alibi_slopes=np.array([[0.44], [0.33]]), dropout_p=0.5, seed=524))  # dbias sums 128 rows' residuals
 def test_backward_matches_reference(case: Case) -> None:
     with cpu_tiles(case.tiles):
         _, _, grads = _grads(case)

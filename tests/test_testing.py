@@ -238,6 +238,18 @@ def test_the_rule() -> None:
     assert testing.floor_dtype("bfloat16", np.float16).name == "bfloat16"
 
 
+def test_dbias_terms_count_the_rows_a_broadcast_bias_sums() -> None:
+    """A bias's gradient adds every row's residual of D over its broadcast axes: a scalar
+    bias over (2, 4, 16) rows sums 128 of them, a (4, 1, 50) bias the 2 * 16 of each head,
+    a full one a row's own."""
+    rs = np.random.default_rng(0)
+    q, k, dout, out = (rs.standard_normal(s) for s in ((2, 4, 16, 8), (2, 4, 50, 8), (2, 4, 16, 8), (2, 4, 16, 8)))
+    row = testing.cancelling_terms(q, k, dout, out)["dbias"]
+    assert row == testing.cancelling_terms(q, k, dout, out, bias_shape=(2, 4, 16, 50))["dbias"] > 0
+    assert testing.cancelling_terms(q, k, dout, out, bias_shape=(1, 1))["dbias"] == 128 * row
+    assert testing.cancelling_terms(q, k, dout, out, bias_shape=(4, 1, 50))["dbias"] == 32 * row
+
+
 # --------------------------------------------------------------------------- the strategy
 
 

@@ -18,6 +18,7 @@ NumPy only: no Hypothesis, no GPU.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Sequence
 
 import ml_dtypes
@@ -153,19 +154,28 @@ def compare(ours: Any, ref: np.ndarray, naive: Any, dtype: Any, magnitude: float
     ))
 
 
-def cancelling_terms(q: Any, k: Any, dout: Any, out_ref: np.ndarray, scale: float | None = None) -> dict[str, float]:
+def cancelling_terms(q: Any, k: Any, dout: Any, out_ref: np.ndarray, scale: float | None = None,
+                     bias_shape: tuple[int, ...] | None = None) -> dict[str, float]:
     """Magnitudes of the terms that cancel in dS = P (dP - D), per gradient: the
     ``magnitude`` argument of :func:`tolerance` for dq, dk, dv, dbias and dsinks.
 
     FlashAttention's backward takes D = rowsum(dO * O) from O rounded to the output
     dtype, so where dP - D cancels (a row attending one key has dS = 0 exactly) the
     gradient keeps a residual of |dO| |O| ulp: an error of the algorithm, relative to
-    these terms rather than to the (near-zero) result. ``out_ref`` is the float64 out.
+    these terms rather than to the (near-zero) result. ``out_ref`` is the float64 out;
+    ``bias_shape``: the bias's shape, whose gradient sums the residuals of every score row
+    its broadcast (batch, head and query) axes reduce into one element.
     """
     o = np.abs(np.asarray(out_ref, np.float64))
     t = float(np.max(np.sum(np.abs(np.asarray(dout, np.float64)) * o, axis=-1), initial=0.0))
     scale = abs(scale or 1.0 / np.sqrt(np.shape(q)[-1]))
     big = lambda x: float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))  # noqa: E731
+    rows = tuple(np.shape(dout)[:-1])  # (..., Hq, Lq)
+    reduced = 1
+    if bias_shape is not None:
+        # a dbias element adds P_ij D_i over the rows its broadcast axes reduce; sum_j P_ij <= 1
+        bias_rows = ((1,) * (len(rows) + 1) + tuple(bias_shape))[-len(rows) - 1:-1]
+        reduced = math.prod(n for n, b in zip(rows, bias_rows) if b == 1)
     # dsinks = -sum_i P_sink,i D_i adds one D per row of a head: up to Lq of them.
-    return {"dq": scale * t * big(k), "dk": scale * t * big(q), "dv": 0.0, "dbias": t,
+    return {"dq": scale * t * big(k), "dk": scale * t * big(q), "dv": 0.0, "dbias": t * reduced,
             "dsinks": t * np.shape(dout)[-2]}
