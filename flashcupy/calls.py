@@ -28,6 +28,7 @@ One :class:`Kind` per array kind says how its arrays are keyed, allocated and la
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from typing import Any, Callable
@@ -79,6 +80,11 @@ class Kind:
         even where ``x`` is contiguous: a plan copies operands whose address is misaligned too."""
         raise NotImplementedError
 
+    def temporaries(self) -> contextlib.AbstractContextManager:
+        """Where a call's copies and scratch are allocated (its results never are): the kind's
+        allocator, unless its own is not safe for a CUDA graph being captured."""
+        return contextlib.nullcontext()
+
 
 class Planned:
     """A validated call layout's forward plan and its backward plans by the layouts of
@@ -91,15 +97,19 @@ class Planned:
     def _run(self, plan: cuda.CallPlan, operands: tuple) -> list:
         """Allocate the plan's results and scratch and queue its launches; returns the results."""
         kind, device = self.kind, self.device
-        if True in plan.copies:
-            operands = tuple(kind.copy(x) if c else x for x, c in zip(operands, plan.copies))
         poison = cuda.poison_outputs
         results = [kind.empty(shape, dtype, poison and poisoned, device) for shape, dtype, poisoned in plan.results]
-        pointers = [kind.address(x) for x in (*operands, *results)]
-        if plan.scratch_bytes:
-            scratch = kind.empty((plan.scratch_bytes,), _BYTE, False, device)
-            base = kind.address(scratch)
-            pointers += [base + offset for offset in plan.scratch_offsets]
+        if not (plan.scratch_bytes or True in plan.copies):
+            plan.run(kind.stream(device), [kind.address(x) for x in (*operands, *results)])
+            return results
+        with kind.temporaries():
+            if True in plan.copies:
+                operands = tuple(kind.copy(x) if c else x for x, c in zip(operands, plan.copies))
+            pointers = [kind.address(x) for x in (*operands, *results)]
+            if plan.scratch_bytes:
+                scratch = kind.empty((plan.scratch_bytes,), _BYTE, False, device)
+                base = kind.address(scratch)
+                pointers += [base + offset for offset in plan.scratch_offsets]
         plan.run(kind.stream(device), pointers)
         return results  # copies and scratch may go now: their memory serves only work queued after
 
@@ -283,6 +293,12 @@ class _CupyKind(Kind):
 
     def copy(self, x: Any) -> Any:
         return x.copy(order="C")
+
+    def temporaries(self) -> contextlib.AbstractContextManager:
+        """The capture's own memory while CuPy's current stream is being captured into a CUDA
+        graph (CuPy's pool would hand it to later work: :func:`flashcupy.cuda.temporaries`)."""
+        stream = self._module().cuda.get_current_stream()
+        return cuda.temporaries(stream, stream.is_capturing())
 
 
 #: Calls on CuPy arrays (flashcupy.api).

@@ -226,40 +226,43 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     entry gets NaN (the kernels read and write nothing outside the caches for it)."""
     dec = _cuda_decode()
     xp, batch = lay.xp, lay.batch
-    if interop._is_cupy(cache_seqlens):
-        if cache_seqlens.dtype.kind not in "iu":
-            raise TypeError(f"cache_seqlens: expected integers, received dtype {dtype_name(cache_seqlens.dtype)}")
-        if cache_seqlens.ndim > 1 or cache_seqlens.size not in (1, batch):
-            raise ValueError(f"cache_seqlens: expected an int or a shape ({batch},) (one per sequence), "
-                             f"received {tuple(cache_seqlens.shape)}")
-        device_array("cache_seqlens", cache_seqlens, q.data.device_id)  # on q's device (no copy)
-        lengths = cache_seqlens if cache_seqlens.shape == (batch,) and cache_seqlens.dtype == np.int32 and \
-            cache_seqlens.strides == (4,) else \
-            xp.ascontiguousarray(xp.broadcast_to(cache_seqlens.reshape(-1), (batch,)), dtype=np.int32)
-        most, total = lay.capacity, None
-    else:
-        lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
-        most = _room(lay, lens, start)
-        lengths = most if start is not None else xp.asarray(lens.astype(np.int32))
-        total = np.full(batch, most) if start is not None else lens + lay.new
-    table = None
-    if lay.paged:
-        if interop._is_cupy(block_table):
-            table = dec.device_table(device_array("block_table", block_table, q.data.device_id))
-        elif total is None:  # device lengths: the slots in use are known on the device only, where they are checked
-            table = xp.asarray(np.ascontiguousarray(host_array("block_table", block_table), dtype=np.int32))
+    stream = xp.cuda.get_current_stream()
+    capturing = stream.is_capturing()
+    with dec.temporaries(stream, capturing):  # lengths, table and per-head arrays made here
+        if interop._is_cupy(cache_seqlens):
+            if cache_seqlens.dtype.kind not in "iu":
+                raise TypeError(f"cache_seqlens: expected integers, received dtype {dtype_name(cache_seqlens.dtype)}")
+            if cache_seqlens.ndim > 1 or cache_seqlens.size not in (1, batch):
+                raise ValueError(f"cache_seqlens: expected an int or a shape ({batch},) (one per sequence), "
+                                 f"received {tuple(cache_seqlens.shape)}")
+            device_array("cache_seqlens", cache_seqlens, q.data.device_id)  # on q's device (no copy)
+            lengths = cache_seqlens if cache_seqlens.shape == (batch,) and cache_seqlens.dtype == np.int32 and \
+                cache_seqlens.strides == (4,) else \
+                xp.ascontiguousarray(xp.broadcast_to(cache_seqlens.reshape(-1), (batch,)), dtype=np.int32)
+            most, total = lay.capacity, None
         else:
-            table = xp.asarray(_checked_table(block_table, total, lay).astype(np.int32))
-    stride = None if table is None else table.strides[0]
-    plan = lay.plans.get(stride)  # the layout fixes all the plan depends on but a copied table's stride
-    if plan is None:
-        plan = lay.plans[stride] = dec.plan_for(
-            q, k_cache, v_cache, lay.pb, k, v, lay.block_size, 0 if table is None else table.strides[0] // 4,
-            lay.capacity, lay.n_blocks)
-    alibi, sinks = (None, None) if lay.pb.alibi_slopes is None and lay.pb.sinks is None else \
-        dec.score_arrays(lay.pb, q.shape[:2])
-    out, lse = plan.launch(q, k_cache, v_cache, k, v, lengths, most, table, alibi, sinks, num_splits,
-                           want_lse=lay.pb.return_lse)
+            lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
+            most = _room(lay, lens, start)
+            lengths = most if start is not None else xp.asarray(lens.astype(np.int32))
+            total = np.full(batch, most) if start is not None else lens + lay.new
+        table = None
+        if lay.paged:
+            if interop._is_cupy(block_table):
+                table = dec.device_table(device_array("block_table", block_table, q.data.device_id))
+            elif total is None:  # device lengths: the slots in use are known on the device only, where they are checked
+                table = xp.asarray(np.ascontiguousarray(host_array("block_table", block_table), dtype=np.int32))
+            else:
+                table = xp.asarray(_checked_table(block_table, total, lay).astype(np.int32))
+        stride = None if table is None else table.strides[0]
+        plan = lay.plans.get(stride)  # the layout fixes all the plan depends on but a copied table's stride
+        if plan is None:
+            plan = lay.plans[stride] = dec.plan_for(
+                q, k_cache, v_cache, lay.pb, k, v, lay.block_size, 0 if table is None else table.strides[0] // 4,
+                lay.capacity, lay.n_blocks)
+        alibi, sinks = (None, None) if lay.pb.alibi_slopes is None and lay.pb.sinks is None else \
+            dec.score_arrays(lay.pb, q.shape[:2])
+    out, lse = plan.launch(q, k_cache, v_cache, k, v, lengths, most, table, alibi, sinks, num_splits, stream,
+                           capturing, want_lse=lay.pb.return_lse)
     return (out, lse) if lay.pb.return_lse else out
 
 

@@ -359,7 +359,9 @@ def test_decode_splits_change_nothing_but_rounding():
 def test_a_captured_decode_call_replays_beside_eager_calls():
     """The last split of each (sequence, KV head) merges, found by a count kept a stream: a
     call captured in a CUDA graph (its counts zeroed by the graph) replays on new query values
-    between eager calls on the same stream, and every result equals its call made alone."""
+    between eager calls on the same stream, whose results, made after the capture, are held
+    across the replay: the graph's partials and counts are its own memory, so a replay writes
+    nothing CuPy's pool handed out since; every result equals its call made alone."""
     import cupy
 
     rs = np.random.default_rng(21)
@@ -380,15 +382,12 @@ def test_a_captured_decode_call_replays_beside_eager_calls():
         for n in (1, 2, 1):
             other = (n + 1) % 3
             q[...] = queries[n]
-            # Each result read before the next launch: the graph's partials live in memory
-            # CuPy's pool freed after the capture, which later calls may be handed.
-            got = [[a.get() for a in call(queries[other])]]
+            held = [call(queries[other]) for _ in range(4)]
             graph.launch(stream)
-            got.append([a.get() for a in captured])
-            got.append([a.get() for a in call(queries[n])])
-            for g, w in zip(got, (alone[other], alone[n], alone[n]), strict=True):
-                np.testing.assert_array_equal(g[0], w[0])
-                np.testing.assert_array_equal(g[1], w[1])
+            after = call(queries[n])
+            for got, want in [(h, alone[other]) for h in held] + [(captured, alone[n]), (after, alone[n])]:
+                np.testing.assert_array_equal(got[0].get(), want[0])
+                np.testing.assert_array_equal(got[1].get(), want[1])
 
 
 @pytest.mark.gpu
@@ -640,25 +639,22 @@ def test_decode_counts_are_kept_a_stream_and_a_thread_on_the_per_thread_stream(m
     monkeypatch.setattr(decode, "_COUNTERS", {})
 
     class Stream:
-        def __init__(self, ptr: int, capturing: bool = False) -> None:
-            self.ptr, self.capturing = ptr, capturing
-
-        def is_capturing(self) -> bool:
-            return self.capturing
+        def __init__(self, ptr: int) -> None:
+            self.ptr = ptr
 
     a, b = Stream(0x1230), Stream(0x4560)
-    first = decode.counters(8, 0, a)
-    assert decode.counters(4, 0, a) is first and decode.counters(8, 0, b) is not first
-    grown = decode.counters(20, 0, a)
-    assert grown.size >= 20 and decode.counters(20, 0, a) is grown
-    captured = decode.counters(8, 0, Stream(a.ptr, capturing=True))
-    assert captured is not grown and captured.size == 8 and decode.counters(8, 0, a) is grown
+    first = decode.counters(8, 0, a, False)
+    assert decode.counters(4, 0, a, False) is first and decode.counters(8, 0, b, False) is not first
+    grown = decode.counters(20, 0, a, False)
+    assert grown.size >= 20 and decode.counters(20, 0, a, False) is grown
+    captured = decode.counters(8, 0, a, True)
+    assert captured is not grown and captured.size == 8 and decode.counters(8, 0, a, False) is grown
     per_thread = Stream(decode._PER_THREAD_STREAM)
-    mine, theirs = decode.counters(8, 0, per_thread), []
-    thread = threading.Thread(target=lambda: theirs.append(decode.counters(8, 0, per_thread)))
+    mine, theirs = decode.counters(8, 0, per_thread, False), []
+    thread = threading.Thread(target=lambda: theirs.append(decode.counters(8, 0, per_thread, False)))
     thread.start()
     thread.join()
-    assert theirs[0] is not mine and decode.counters(8, 0, per_thread) is mine
+    assert theirs[0] is not mine and decode.counters(8, 0, per_thread, False) is mine
 
 
 def test_decode_parameter_template_packs_like_pack():

@@ -8,6 +8,7 @@ current stream.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -36,6 +37,49 @@ def device_limits(device_id: int) -> tuple[int, int]:
 
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
     return 10 * props["major"] + props["minor"], int(props["sharedMemPerBlockOptin"])
+
+
+@functools.cache
+def _graph_allocations(device_id: int) -> bool:
+    """Whether the driver allocates stream-ordered memory on ``device_id`` (cudaMallocAsync,
+    which a capture records as a node of the graph)."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    try:
+        return bool(runtime.deviceGetAttribute(runtime.cudaDevAttrMemoryPoolsSupported, device_id))
+    except runtime.CUDARuntimeError:
+        return False
+
+
+class _GraphMemory:
+    """CuPy's allocator under :func:`temporaries`: stream-ordered allocations on a stream
+    being captured, each freed on it when its last reference goes."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __call__(self, nbytes: int) -> Any:
+        import cupy
+
+        return cupy.cuda.MemoryPointer(cupy.cuda.MemoryAsync(nbytes, self.stream), 0)
+
+
+def temporaries(stream: Any, capturing: bool) -> contextlib.AbstractContextManager:
+    """A context for a launch's temporaries (never its results) on CuPy's current device.
+    While ``stream`` is being captured into a CUDA graph (``capturing``, from
+    ``stream.is_capturing()``), CuPy allocates from the graph: each allocation and its free,
+    made as the memory's last reference goes inside the capture, become nodes of the graph,
+    so every replay writes memory of its own. Memory from CuPy's pool would go back to the
+    pool when the capture ends and to later work, which replays would then overwrite.
+    Elsewhere, and where the driver has no stream-ordered allocations, nothing changes.
+    A result allocated inside would stay allocated after the capture, and CUDA refuses to
+    launch such a graph a second time."""
+    import cupy
+
+    if not capturing or not _graph_allocations(cupy.cuda.runtime.getDevice()):
+        return contextlib.nullcontext()
+    return cupy.cuda.using_allocator(_GraphMemory(stream))
 
 
 @functools.cache
@@ -468,15 +512,17 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         operands = (pb.q, pb.k, pb.v)
         key = _layout_key(pb, device_id, operands, spec)
         cached = _FORWARD_TEMPLATES.get(key)
-        rows = _template_rows(pb, operands, cached, xp)
-        if rows is not None:
-            cached.run(xp.cuda.get_current_stream().ptr, *(x.data.ptr for x in rows), out.data.ptr, lse.data.ptr)
-            keep_alive = rows
-        else:
-            block, launches, keep_alive = _pack_forward(pb, spec, device_id, key, out, lse, xp)
-            for launch in launches:
-                _run(launch, device_id, block)
-        del keep_alive  # safe: memory CuPy frees now is reused only by work queued after this launch
+        stream = xp.cuda.get_current_stream()
+        with temporaries(stream, stream.is_capturing()):
+            rows = _template_rows(pb, operands, cached, xp)
+            if rows is not None:
+                cached.run(stream.ptr, *(x.data.ptr for x in rows), out.data.ptr, lse.data.ptr)
+                keep_alive = rows
+            else:
+                block, launches, keep_alive = _pack_forward(pb, spec, device_id, key, out, lse, xp)
+                for launch in launches:
+                    _run(launch, device_id, block)
+            del keep_alive, rows  # safe: memory CuPy frees now is reused only by work queued after this launch
     return out, lse
 
 
@@ -497,7 +543,9 @@ def _pack_forward(pb: Problem, spec: KernelSpec, device_id: int, key: tuple | No
 
 
 def _dbias_buffer(pb: Problem, deterministic: bool, xp):
-    """(buffer the kernels add dS into, its (B, Hq, Lq, Lk) strided view, finish()).
+    """(buffer the kernels add dS into, its (B, Hq, Lq, Lk) strided view, reduce()): reduce()
+    gives dbias in the bias's shape and the accumulator dtype, a view of the buffer or a new
+    array (the caller converts it to the bias's dtype).
 
     The buffer has the bias's own (padded) shape, broadcast by zero strides, so atomics
     reduce over broadcast dims; ``deterministic`` (or batch dims that cannot merge into one
@@ -511,74 +559,81 @@ def _dbias_buffer(pb: Problem, deterministic: bool, xp):
         acc = xp.zeros(full, dtype=acc_dtype)
         view = _merge_batch(xp.broadcast_to(acc, scores), pb.batch, xp)
         if view.data.ptr == acc.data.ptr and (view.base is not None or not reduced):
-            return view, lambda: acc.reshape(pb.bias_shape).astype(pb.bias.dtype)
+            return view, lambda: acc.reshape(pb.bias_shape)
     acc = xp.zeros(scores, dtype=acc_dtype)
     axes = tuple(a for a, (n, m) in enumerate(zip(full, scores)) if n != m)
-    return _merge_batch(acc, pb.batch, xp), lambda: acc.sum(axis=axes, keepdims=True).reshape(pb.bias_shape).astype(
-        pb.bias.dtype)
+    return _merge_batch(acc, pb.batch, xp), lambda: acc.sum(axis=axes, keepdims=True).reshape(pb.bias_shape)
 
 
 def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
     """(dq, dk, dv, dbias, delta) of a problem on CuPy arrays, in its internal layout; dbias
     None unless ``bias_grad``; delta = rowsum(dO * O) laid out like lse, in the accumulator
-    dtype (what the row pass computed for the kernels; the sinks' gradient reads it). dout, out, lse: device arrays in the internal layout. The parameter
-    block is reused as in :func:`forward` (dout and out count as operands)."""
+    dtype (what the row pass computed for the kernels; the sinks' gradient reads it). dout,
+    out, lse: device arrays in the internal layout. The parameter block is reused as in
+    :func:`forward` (dout and out count as operands)."""
     import cupy as xp
 
     device_id = pb.q.device.id
     with xp.cuda.Device(device_id):
         spec = _backward_spec(pb, device_id, deterministic)
         acc = accumulator_dtype(pb.dtype)
-        lse = xp.ascontiguousarray(lse, dtype=acc)
-        delta, lse2 = xp.empty(pb.lse_shape, dtype=acc), xp.empty(pb.lse_shape, dtype=acc)
+        delta = xp.empty(pb.lse_shape, dtype=acc)
         dq = _empty(pb.q.shape, pb.dtype, xp)
         dk = _empty(pb.k.shape, pb.dtype, xp)
         dv = _empty(pb.v.shape, pb.dtype, xp)
-        grads = {"dq": dq, "dk": dk, "dv": dv}
-        # The fused dQ's accumulator (flash_bwd.cu, kDqAccumScaled): atomics add column pairs
-        # into (..., rows, D rounded up to even), zeroed by flash_bwd_delta. With dQ's own
-        # dtype, an even D and spec.dq_accum_scaled that is dQ itself, and no conversion pass runs.
-        if dq_is_accumulator(pb, spec):
-            grads["dqa"] = dq
-        elif spec.fused_dq:
-            grads["dqa"] = _empty(pb.q.shape[:-1] + (-(-pb.head_dim // 2) * 2,), acc, xp)
-        dq_accum = grads["dqa"].data.ptr if spec.fused_dq else 0
-        operands = (pb.q, pb.k, pb.v, dout, out)
-        key = _layout_key(pb, device_id, operands, spec)
-        cached = _BACKWARD_TEMPLATES.get(key)
-        rows = _template_rows(pb, operands, cached, xp)
-        finish_dbias = None
-        if rows is not None:
-            q_ptr, k_ptr, v_ptr, dout_ptr, out_ptr = (x.data.ptr for x in rows)
-            cached.run(xp.cuda.get_current_stream().ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse.data.ptr, dout_ptr, out_ptr,
-                       delta.data.ptr, lse2.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum)
-            keep_alive = rows
-        else:
-            q, k, v = _operands(pb, xp)
-            dout, out = _rows(pb, dout, xp), _rows(pb, out, xp)
-            params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp, maps=spec.tile_maps)
-            fields = _rows_fields(pb, {"do": dout, "out": out, **{n: _merged(pb, g, xp) for n, g in grads.items()}})
-            if bias_grad:
-                dbias_view, finish_dbias = _dbias_buffer(pb, deterministic, xp)
-                fields["dbias"] = dbias_view.data.ptr
-                for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(dbias_view)):
-                    fields[f"db_{suffix}"] = s
-            bparams = P.pack(
-                P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr,
-                lse2=lse2.data.ptr, dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim,
-                key_block_major=int(backward_key_block_major(spec, pb.causal is not None)), dq_accum=dq_accum,
-                **dict(zip(("key_blocks", "dq_row_blocks"), backward_blocks(pb, spec))),
-                **fields,
-            )
-            launches = backward_launches(pb, spec)
-            if key is not None:
-                _BACKWARD_TEMPLATES.put(key, _launch_plan(P.Template(bparams, _BACKWARD_POINTERS), launches,
-                                                          device_id, (q, k, v, dout, out), operands))
-            block = bytearray(bparams.tobytes())
-            for launch in launches:
-                _run(launch, device_id, block)
-        dbias = finish_dbias() if finish_dbias is not None else None
-        del keep_alive
+        stream = xp.cuda.get_current_stream()
+        with temporaries(stream, stream.is_capturing()):
+            lse = xp.ascontiguousarray(lse, dtype=acc)
+            lse2 = xp.empty(pb.lse_shape, dtype=acc)
+            grads = {"dq": dq, "dk": dk, "dv": dv}
+            # The fused dQ's accumulator (flash_bwd.cu, kDqAccumScaled): atomics add column pairs
+            # into (..., rows, D rounded up to even), zeroed by flash_bwd_delta. With dQ's own
+            # dtype, an even D and spec.dq_accum_scaled that is dQ itself, and no conversion pass runs.
+            if dq_is_accumulator(pb, spec):
+                grads["dqa"] = dq
+            elif spec.fused_dq:
+                grads["dqa"] = _empty(pb.q.shape[:-1] + (-(-pb.head_dim // 2) * 2,), acc, xp)
+            dq_accum = grads["dqa"].data.ptr if spec.fused_dq else 0
+            operands = (pb.q, pb.k, pb.v, dout, out)
+            key = _layout_key(pb, device_id, operands, spec)
+            cached = _BACKWARD_TEMPLATES.get(key)
+            rows = _template_rows(pb, operands, cached, xp)
+            reduce_dbias = dbias_acc = None
+            if rows is not None:
+                q_ptr, k_ptr, v_ptr, dout_ptr, out_ptr = (x.data.ptr for x in rows)
+                cached.run(stream.ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse.data.ptr, dout_ptr, out_ptr,
+                           delta.data.ptr, lse2.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum)
+                keep_alive = rows
+            else:
+                q, k, v = _operands(pb, xp)
+                dout, out = _rows(pb, dout, xp), _rows(pb, out, xp)
+                params, keep_alive = _problem_params(pb, q, k, v, out, lse, xp, maps=spec.tile_maps)
+                fields = _rows_fields(pb, {"do": dout, "out": out,
+                                           **{n: _merged(pb, g, xp) for n, g in grads.items()}})
+                if bias_grad:
+                    dbias_view, reduce_dbias = _dbias_buffer(pb, deterministic, xp)
+                    fields["dbias"] = dbias_view.data.ptr
+                    for suffix, s in zip(("sb", "sh", "si", "sj"), _elem_strides(dbias_view)):
+                        fields[f"db_{suffix}"] = s
+                bparams = P.pack(
+                    P.BWD_PARAMS_DTYPE, f=params, dout=dout.data.ptr, out=out.data.ptr, delta=delta.data.ptr,
+                    lse2=lse2.data.ptr, dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, d_true=pb.head_dim,
+                    key_block_major=int(backward_key_block_major(spec, pb.causal is not None)), dq_accum=dq_accum,
+                    **dict(zip(("key_blocks", "dq_row_blocks"), backward_blocks(pb, spec))),
+                    **fields,
+                )
+                launches = backward_launches(pb, spec)
+                if key is not None:
+                    _BACKWARD_TEMPLATES.put(key, _launch_plan(P.Template(bparams, _BACKWARD_POINTERS), launches,
+                                                              device_id, (q, k, v, dout, out), operands))
+                block = bytearray(bparams.tobytes())
+                for launch in launches:
+                    _run(launch, device_id, block)
+                if reduce_dbias is not None:
+                    dbias_acc = reduce_dbias()
+        # dbias is a result, so converted out here (always a copy); its buffers go with this frame
+        dbias = dbias_acc.astype(pb.bias.dtype) if dbias_acc is not None else None
+        del keep_alive, dbias_acc
     return dq, dk, dv, dbias, delta
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..problem import Problem, accumulator_dtype
-from . import _dtype_name, _elem_strides, _empty, device_limits, per_head
+from . import _dtype_name, _elem_strides, _empty, device_limits, per_head, temporaries
 from . import params as P
 from .compile import KeptBlock, ThreadBlocks, bind_context, get_function, launch_ptr
 from .spec import CXX_TYPE
@@ -163,18 +163,18 @@ def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
     return min(range(1, most + 1), key=lambda s: -(-blocks * s // slots) / s * (1 + 0.01 * s))
 
 
-def counters(blocks: int, device_id: int, stream: Any) -> Any:
+def counters(blocks: int, device_id: int, stream: Any, capturing: bool) -> Any:
     """``blocks`` int32 counts of finished splits, zero, for a split launch on ``stream`` (the
     last block of each (sequence, KV head) zeroes its count again for the next launch). Kept
     a stream, where launches run in order (the per-thread default stream, one handle for a
-    different stream in each thread, a thread); a stream being captured into a CUDA graph gets
-    fresh ones, zeroed by a node of the graph, so replays share counts with no other work."""
+    different stream in each thread, a thread); a stream being captured into a CUDA graph
+    (``capturing``) gets fresh ones, zeroed by a node of the graph, so replays share counts
+    with no other work (allocate them under :func:`temporaries`)."""
     import cupy as cp
 
     per_thread = threading.get_ident() if stream.ptr == _PER_THREAD_STREAM else 0
     key = (device_id, stream.ptr, per_thread)
     kept = _COUNTERS.get(key)
-    capturing = stream.is_capturing()
     if kept is not None and kept.size >= blocks and not capturing:
         return kept
     size = blocks if capturing or kept is None else max(blocks, 2 * kept.size)
@@ -309,15 +309,17 @@ class DecodePlan:
         return max(1, -(-max_keys // split_keys)), split_keys
 
     def launch(self, q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, lengths: Any, max_keys: int, table: Any,
-               alibi: Any, sinks: Any, num_splits: int, want_lse: bool = True) -> tuple[Any, Any]:
+               alibi: Any, sinks: Any, num_splits: int, stream: Any, capturing: bool,
+               want_lse: bool = True) -> tuple[Any, Any]:
         """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of one call, after k and v (B, Hk, Lnew, D /
         Dv; None without an append) are written into the caches, on the current stream.
         lengths: an int, every sequence's keys after the append, or a device (B,) int32 array
         of each one's before it (its bad values give NaN, see decode_params.cuh); max_keys: the
         most keys a sequence attends (the split is planned for it); table: the device int32
         block table this plan's stride describes, or None; alibi, sinks: device (B, Hq) float64
-        arrays or None. Without ``want_lse`` the lse returned is None (the merge writes it
-        beside the partials)."""
+        arrays or None; stream: CuPy's current stream, ``capturing`` whether it is being
+        captured into a CUDA graph (the temporaries are then the graph's, :func:`temporaries`).
+        Without ``want_lse`` the lse returned is None (the merge writes it beside the partials)."""
         import cupy as cp
 
         out = _empty(self.out_shape, self.dtype, cp)
@@ -330,20 +332,20 @@ class DecodePlan:
                 self._splits.clear()
             split = self._splits[max_keys, num_splits] = self.splits(max_keys, num_splits)
         splits, split_keys = split
-        if self.copy_q:
-            q = cp.ascontiguousarray(q)
-        if self.copy_new:
-            k, v = cp.ascontiguousarray(k), cp.ascontiguousarray(v)
-        # The splits' partial outputs (splits, rows, Dv) and log-sum-exps (splits, rows), and
-        # the lse when the caller does not keep it (rows), in one allocation.
-        item = self.acc.itemsize
-        part = cp.cuda.alloc((splits * (self.dv + 1) + (lse is None)) * self.rows * item)
+        with temporaries(stream, capturing):
+            if self.copy_q:
+                q = cp.ascontiguousarray(q)
+            if self.copy_new:
+                k, v = cp.ascontiguousarray(k), cp.ascontiguousarray(v)
+            # The splits' partial outputs (splits, rows, Dv) and log-sum-exps (splits, rows), and
+            # the lse when the caller does not keep it (rows), in one allocation.
+            item = self.acc.itemsize
+            part = cp.cuda.alloc((splits * (self.dv + 1) + (lse is None)) * self.rows * item)
+            count = counters(self.blocks, self.device_id, stream, capturing) if splits > 1 else None
         o_part = part.ptr
         lse_part = o_part + splits * self.rows * self.dv * item
         lse_ptr = lse.data.ptr if lse is not None else lse_part + splits * self.rows * item
         per_sequence = not isinstance(lengths, int)
-        current = cp.cuda.get_current_stream()
-        count = counters(self.blocks, self.device_id, current) if splits > 1 else None
         call = self._arguments.get()
         self.template.fill_into(
             call.block, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lengths.data.ptr if per_sequence else 0,
@@ -351,18 +353,20 @@ class DecodePlan:
             0 if sinks is None else sinks.data.ptr, o_part, lse_part, out.data.ptr, lse_ptr,
             k.data.ptr if self.new else 0, v.data.ptr if self.new else 0, 0 if count is None else count.data.ptr,
             splits, split_keys, 0 if per_sequence else lengths)
-        stream = current.ptr
+        handle = stream.ptr
         bind_context(self.device_id)
         if self.new:
-            launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, call.one, 0, stream)
+            launch_ptr(self.append_ptr, (self.blocks, min(self.new, 65535)), THREADS, call.one, 0, handle)
         if self.rows:
             split_args = call.one
             if self.copies != "simt":
                 call.maps = self.maps(k_cache, v_cache)  # held here: another thread may clear the plan's maps
                 call.pair[1] = ctypes.addressof(call.maps)
                 split_args = call.pair_ptr
-            launch_ptr(self.split_ptr, (self.blocks, splits), THREADS, split_args, self.smem, stream)
-        del part, count  # CuPy's pool hands freed memory only to later work on the stream
+            launch_ptr(self.split_ptr, (self.blocks, splits), THREADS, split_args, self.smem, handle)
+        # CuPy's pool hands freed memory only to later work on the stream; in a capture, the
+        # graph frees its own (temporaries())
+        del part, count
         return out, lse
 
 
