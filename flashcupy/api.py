@@ -8,6 +8,7 @@ keyword options.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from typing import Any, Callable
@@ -127,7 +128,12 @@ def _run_backward(pb: Problem, backend: str, dout: Any, out: Any, lse: Any, bias
     else:
         dout, out, lse = check_host_backward_arrays(pb, dout, out, lse)
         grads, delta = cpu.backward(pb, dout, out, lse, bias_grad), None
-    dsinks = None if pb.sinks is None else sinks.grad(pb, dout, out, lse, interop.array_module(out), delta)
+    dsinks = None
+    if pb.sinks is not None:
+        with cuda.temporaries() if backend == "cuda" else contextlib.nullcontext():
+            dsinks = sinks.grad(pb, dout, out, lse, interop.array_module(out), delta)
+        if backend == "cuda":
+            dsinks = dsinks.copy()  # a result: out of a captured graph's own memory
     return (*grads, dsinks)
 
 

@@ -239,20 +239,22 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
             lengths = cache_seqlens if cache_seqlens.shape == (batch,) and cache_seqlens.dtype == np.int32 and \
                 cache_seqlens.strides == (4,) else \
                 xp.ascontiguousarray(xp.broadcast_to(cache_seqlens.reshape(-1), (batch,)), dtype=np.int32)
-            most, total = lay.capacity, None
+            most = None  # the capacity, once a host table is out of the way
         else:
             lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
             most = _room(lay, lens, start)
             lengths = most if start is not None else xp.asarray(lens.astype(np.int32))
-            total = np.full(batch, most) if start is not None else lens + lay.new
         table = None
         if lay.paged:
             if interop._is_cupy(block_table):
                 table = dec.device_table(device_array("block_table", block_table, q.data.device_id))
-            elif total is None:  # device lengths: the slots in use are known on the device only, where they are checked
+            elif most is None:  # device lengths: the slots in use are known on the device only, where they are checked
                 table = xp.asarray(np.ascontiguousarray(host_array("block_table", block_table), dtype=np.int32))
             else:
+                total = np.full(batch, most) if start is not None else lens + lay.new
                 table = xp.asarray(_checked_table(block_table, total, lay).astype(np.int32))
+        if most is None:
+            most = lay.capacity
         stride = None if table is None else table.strides[0]
         plan = lay.plans.get(stride)  # the layout fixes all the plan depends on but a copied table's stride
         if plan is None:

@@ -877,13 +877,15 @@ def test_nan_row_has_nan_lse_and_a_row_without_keys_is_zero() -> None:
     assert np.isfinite(np.delete(lse[0, 0], [3, 6])).all()
 
 
-@pytest.mark.parametrize("options", [{}, {"bias": "keys", "causal": True}], ids=["planned", "bias"])
+@pytest.mark.parametrize("options", [{}, {"bias": "keys", "causal": True}, {"sinks": "heads"}],
+                         ids=["planned", "bias", "sinks"])
 def test_captured_calls_keep_their_temporaries_from_later_work(options) -> None:
     """A forward and backward captured in a CUDA graph replay on new query values while
     results of eager calls made after the capture are held: the graph's temporaries (the
     backward's lse copy, second lse and dQ accumulator, a broadcast bias's dbias buffer) are
     its own, so a replay writes neither those results nor anything CuPy's pool handed out
-    since; each result matches its call made alone."""
+    since (the backward's row sums D, which the sinks' gradient reads, included); each
+    result matches its call made alone."""
     import cupy
 
     rs = np.random.default_rng(8)
@@ -892,6 +894,8 @@ def test_captured_calls_keep_their_temporaries_from_later_work(options) -> None:
     queries = [cupy.asarray(rs.standard_normal(shape).astype(F16)) for _ in range(3)]
     if options.get("bias") == "keys":  # (B, 1, 1, Lk): its gradient sums into a buffer of the bias's shape
         options = {**options, "bias": cupy.asarray(rs.standard_normal((2, 1, 1, 200)).astype(np.float32))}
+    if options.get("sinks") == "heads":
+        options = {"sinks": cupy.asarray(rs.standard_normal(4))}
     grad = {"bias_grad": True} if "bias" in options else {}
 
     def call(x):

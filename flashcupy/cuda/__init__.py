@@ -65,10 +65,11 @@ class _GraphMemory:
         return cupy.cuda.MemoryPointer(cupy.cuda.MemoryAsync(nbytes, self.stream), 0)
 
 
-def temporaries(stream: Any, capturing: bool) -> contextlib.AbstractContextManager:
+def temporaries(stream: Any = None, capturing: bool | None = None) -> contextlib.AbstractContextManager:
     """A context for a launch's temporaries (never its results) on CuPy's current device.
-    While ``stream`` is being captured into a CUDA graph (``capturing``, from
-    ``stream.is_capturing()``), CuPy allocates from the graph: each allocation and its free,
+    While ``stream`` (default: CuPy's current) is being captured into a CUDA graph
+    (``capturing``, default ``stream.is_capturing()``), CuPy allocates from the graph: each
+    allocation and its free,
     made as the memory's last reference goes inside the capture, become nodes of the graph,
     so every replay writes memory of its own. Memory from CuPy's pool would go back to the
     pool when the capture ends and to later work, which replays would then overwrite.
@@ -77,9 +78,17 @@ def temporaries(stream: Any, capturing: bool) -> contextlib.AbstractContextManag
     launch such a graph a second time."""
     import cupy
 
+    if stream is None:
+        stream = cupy.cuda.get_current_stream()
+    if capturing is None:
+        capturing = stream.is_capturing()
     if not capturing or not _graph_allocations(cupy.cuda.runtime.getDevice()):
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     return cupy.cuda.using_allocator(_GraphMemory(stream))
+
+
+#: temporaries() outside a capture (a nullcontext can be entered again and again).
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 @functools.cache
@@ -577,14 +586,13 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
     with xp.cuda.Device(device_id):
         spec = _backward_spec(pb, device_id, deterministic)
         acc = accumulator_dtype(pb.dtype)
-        delta = xp.empty(pb.lse_shape, dtype=acc)
         dq = _empty(pb.q.shape, pb.dtype, xp)
         dk = _empty(pb.k.shape, pb.dtype, xp)
         dv = _empty(pb.v.shape, pb.dtype, xp)
         stream = xp.cuda.get_current_stream()
-        with temporaries(stream, stream.is_capturing()):
+        with temporaries(stream, stream.is_capturing()):  # delta too: callers read it and let it go
             lse = xp.ascontiguousarray(lse, dtype=acc)
-            lse2 = xp.empty(pb.lse_shape, dtype=acc)
+            delta, lse2 = xp.empty(pb.lse_shape, dtype=acc), xp.empty(pb.lse_shape, dtype=acc)
             grads = {"dq": dq, "dk": dk, "dv": dv}
             # The fused dQ's accumulator (flash_bwd.cu, kDqAccumScaled): atomics add column pairs
             # into (..., rows, D rounded up to even), zeroed by flash_bwd_delta. With dQ's own
