@@ -629,15 +629,6 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         sPos[tid] = row.pos;
         sSlope[tid] = float(row.slope);
     }
-    for (int e = tid; e < ROWS * LDQ; e += Shape::kThreads) {
-        const int r = e / LDQ, c = e % LDQ;
-        T x = T(0.0f);
-        if (r < rows && c < p.d) {
-            const int i = r % p.lq, hq = hk * group + r / p.lq;
-            x = gQ[i64(b) * p.q_sb + i64(hq) * p.q_sh + i64(i) * p.q_sr + c];
-        }
-        sQ[e] = x;
-    }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if constexpr (TMA) {
         if (lane < STAGES) mbarrier_init(bars + 8 * lane, 1);
@@ -719,6 +710,17 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         if (n < mine) load_tile(n, n);
         commit();
     }
+    // Q (ROWS, LDQ) to shared memory while the first tiles are in flight: the two waits overlap.
+    for (int e = tid; e < ROWS * LDQ; e += Shape::kThreads) {
+        const int r = e / LDQ, c = e % LDQ;
+        T x = T(0.0f);
+        if (r < rows && c < p.d) {
+            const int i = r % p.lq, hq = hk * group + r / p.lq;
+            x = gQ[i64(b) * p.q_sb + i64(hq) * p.q_sh + i64(i) * p.q_sr + c];
+        }
+        sQ[e] = x;
+    }
+    __syncthreads();
 
     // Accumulator fragments: lane holds rows g = lane / 4 and g + 8, columns 2 (lane % 4) (+1)
     // of each 8-wide tile: S (16, 16), O (16, HV).
@@ -837,8 +839,6 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         }
     }
     __syncthreads();
-    float* gO = static_cast<float*>(p.o_part) + (i64(split) * total_rows + row0) * p.dv;
-    float* gLse = static_cast<float*>(p.lse_part) + i64(split) * total_rows + row0;
     // Row r's merge weights of the warps, 2^(m_w - M) with M the row's max (0 where every m_w
     // is -inf); returns L = sum_w l_w 2^(m_w - M) and sets `base` to M.
     auto weights = [&](int r, float (&wgt)[WARPS], float& base) {
@@ -854,6 +854,20 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         }
         return lr;
     };
+    // Row r's lse2 over the block's keys, log2(L) + M (-inf without keys; NaN for a bad block).
+    auto own_lse2 = [&](int r, float lr, float base) {
+        return bad ? quiet_nan<float>() : lr > 0.0f ? base + log2_acc(lr) : neg_inf<float>();
+    };
+    // One split: the block's rows are the result, the row's sink folded in as the merge would
+    // (lse2' = log2(2^sink + 2^lse2), O scaled by 2^(lse2 - lse2')), with no partials between.
+    const bool whole = p.splits == 1;
+    auto with_sink = [&](int r, float lse2) {
+        if (p.sinks == nullptr || lse2 != lse2) return lse2;
+        const float sink = float(p.sinks[(row0 + r) / p.lq] * kLog2e), top = max(sink, lse2);
+        return top == neg_inf<float>() ? top : top + log2_acc(softmax_exp2(sink - top) + softmax_exp2(lse2 - top));
+    };
+    T* gOut = static_cast<T*>(p.o) + row0 * p.dv;
+    float* gO = static_cast<float*>(p.o_part) + (i64(split) * total_rows + row0) * p.dv;
     for (int e = tid; e < ROWS * HV; e += Shape::kThreads) {
         const int r = e / HV, c = e % HV;
         if (r >= rows || c >= p.dv) continue;
@@ -862,14 +876,30 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         float o = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) o += wgt[w] * sO[(w * ROWS + r) * HV + c];
-        gO[i64(r) * p.dv + c] = bad ? quiet_nan<float>() : lr > 0.0f ? o / lr : 0.0f;
+        o = bad ? quiet_nan<float>() : lr > 0.0f ? o / lr : 0.0f;
+        if (whole) {
+            const float lse2 = own_lse2(r, lr, base);
+            const float scale = lr > 0.0f ? softmax_exp2(lse2 - with_sink(r, lse2)) : 0.0f;
+            gOut[i64(r) * p.dv + c] = static_cast<T>(bad ? o : o * scale);
+        } else {
+            gO[i64(r) * p.dv + c] = o;
+        }
     }
+    float* gLse = whole ? static_cast<float*>(p.lse) + row0
+                        : static_cast<float*>(p.lse_part) + i64(split) * total_rows + row0;
     for (int r = tid; r < rows; r += Shape::kThreads) {
         float wgt[WARPS], base;
         const float lr = weights(r, wgt, base);
-        gLse[r] = bad ? quiet_nan<float>() : lr > 0.0f ? base + log2_acc(lr) : neg_inf<float>();
+        const float lse2 = own_lse2(r, lr, base);
+        if (whole) {
+            const float merged = with_sink(r, lse2);
+            gLse[r] = merged > neg_inf<float>() ? merged / kLog2e : merged;  // NaN and -inf stay
+        } else {
+            gLse[r] = lse2;
+        }
     }
-    if (decode_last_split(p)) decode_merge_splits<T, float, ROWS>(p, row0, rows, reinterpret_cast<float*>(smem));
+    if (!whole && decode_last_split(p))
+        decode_merge_splits<T, float, ROWS>(p, row0, rows, reinterpret_cast<float*>(smem));
 }
 
 #endif  // sm_80+
