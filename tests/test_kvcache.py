@@ -590,14 +590,19 @@ def test_decoding_does_not_keep_a_dropped_cache_alive():
 
 def test_decode_split_count_fills_waves_of_resident_blocks():
     """choose_splits: a grid short of one wave splits to fill it; one a little over a wave
-    splits rather than run a second, mostly idle wave; short caches keep MIN_SPLIT_KEYS."""
-    from flashcupy.cuda.decode import MIN_SPLIT_KEYS, choose_splits
+    splits rather than run a second, mostly idle wave; splits keep MIN_SPLIT_KEYS keys but
+    where SMs would stay idle, which short caches split down to SHORT_SPLIT_KEYS to fill."""
+    from flashcupy.cuda.decode import MIN_SPLIT_KEYS, SHORT_SPLIT_KEYS, choose_splits
 
-    assert choose_splits(8, 131072, 264) == 33  # 8 blocks fill 264 slots 33 ways
-    assert choose_splits(512, 16384, 396) == 3  # 1.29 waves at 1 split, 3.88 at 3
-    assert choose_splits(512, 16384, 264) == 1  # 1.94 waves: a split more only adds waves
-    assert choose_splits(8, 4096, 264) == 4096 // MIN_SPLIT_KEYS
-    assert choose_splits(8, 100, 264) == 1
+    assert choose_splits(8, 131072, 264, 132) == 33  # 8 blocks fill 264 slots 33 ways
+    assert choose_splits(512, 16384, 396, 132) == 3  # 1.29 waves at 1 split, 3.88 at 3
+    assert choose_splits(512, 16384, 264, 132) == 1  # 1.94 waves: a split more only adds waves
+    assert choose_splits(8, 16384, 264, 132) == 16384 // MIN_SPLIT_KEYS  # 128 blocks: every SM has one
+    assert choose_splits(8, 4096, 264, 132) == 16  # 32 blocks at 1024 keys: 128 at 256
+    assert choose_splits(8, 1024, 264, 132) == 1024 // SHORT_SPLIT_KEYS
+    assert choose_splits(32, 1024, 264, 132) == 4
+    assert choose_splits(128, 1024, 264, 132) == 1  # a block an SM already
+    assert choose_splits(8, 100, 264, 132) == 1
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 7, 256, 257, 10**6])
@@ -611,7 +616,7 @@ def test_decode_splits_stay_within_the_merges_shared_memory(num_splits):
     from flashcupy.cuda import decode
     from flashcupy.cuda.params import DECODE_MAX_SPLITS
 
-    plan = SimpleNamespace(tile=64, blocks=8, slots=264)
+    plan = SimpleNamespace(tile=64, blocks=8, slots=264, sms=132)
     for keys in (1, 64, 1000, 1 << 17, 1 << 20):
         splits, split_keys = decode.DecodePlan.splits(plan, keys, num_splits)
         assert 1 <= splits <= min(DECODE_MAX_SPLITS, -(-keys // plan.tile))

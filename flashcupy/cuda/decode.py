@@ -34,8 +34,12 @@ THREADS = 128
 STAGES = 4
 #: Keys a split takes at least when the count is chosen (num_splits=0): below that the merge
 #: and the block's setup outweigh what the extra blocks add (B 1, 16k keys, D 128: 16 splits
-#: ran faster than 32).
+#: ran faster than 32)...
 MIN_SPLIT_KEYS = 1024
+#: ...unless the grid would leave SMs without a block: splits then go down to this many keys,
+#: up to a block an SM (B 1, 1k keys, D 128: 8 splits of 128 keys 14.6 us against 25.3 for
+#: one; bench/NOTES.md, 'Decode: short caches split to fill the SMs').
+SHORT_SPLIT_KEYS = 128
 
 
 #: Warps of decode_split_mma and keys a warp's tile: a block steps over WARPS * 16 keys.
@@ -136,6 +140,13 @@ def _unsupported(device_id: int, *arrays: tuple) -> str | None:
 
 
 @functools.cache
+def _multiprocessors(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+@functools.cache
 def _busy_blocks(device_id: int, smem: int, regs: int, copies: str) -> int:
     """Blocks of a split kernel that keep the GPU busy: what the SMs hold at once, by shared
     memory (1 KB of it reserved a block) and registers; for decode_split_mma at most two an SM
@@ -152,14 +163,19 @@ def _busy_blocks(device_id: int, smem: int, regs: int, copies: str) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def choose_splits(blocks: int, max_keys: int, slots: int) -> int:
+def choose_splits(blocks: int, max_keys: int, slots: int, sms: int) -> int:
     """Splits over the keys when the caller leaves it to us. With S splits the kernel runs
     ceil(blocks S / slots) waves of blocks (slots: :func:`_busy_blocks`) that each do 1/S of a
     sequence's keys; S minimises that time, with 1% a split added for the merge and each
-    block's fixed work, each split at least MIN_SPLIT_KEYS keys. A grid a little over one wave
-    (512 blocks on 396 slots) thus splits in 3 rather than run a second, mostly idle wave."""
-    most = max(1, min(P.DECODE_MAX_SPLITS, max_keys // MIN_SPLIT_KEYS))
+    block's fixed work, each split at least MIN_SPLIT_KEYS keys, or SHORT_SPLIT_KEYS while
+    the grid stays within a block for each of the ``sms`` multiprocessors. A grid a little
+    over one wave (512 blocks on 396 slots) thus splits in 3 rather than run a second, mostly
+    idle wave."""
     blocks, slots = max(blocks, 1), max(slots, 1)
+    most = max_keys // MIN_SPLIT_KEYS
+    if blocks * most < sms:  # SMs left idle: shorter splits, up to a block an SM
+        most = min(max_keys // SHORT_SPLIT_KEYS, max(most, sms // blocks))
+    most = max(1, min(P.DECODE_MAX_SPLITS, most))
     return min(range(1, most + 1), key=lambda s: -(-blocks * s // slots) / s * (1 + 0.01 * s))
 
 
@@ -252,6 +268,7 @@ class DecodePlan:
             self.split_ptr, self.append_ptr = self.split_fn.kernel.ptr, self.append_fn.kernel.ptr
         self.new = 0 if k is None else k.shape[2]
         self.slots = _busy_blocks(self.device_id, self.smem, int(getattr(self.split_fn, "num_regs", 0)), self.copies)
+        self.sms = _multiprocessors(self.device_id)
         #: q is copied when its last axis is strided (the kernels read 16-byte chunks).
         self.copy_q = q.strides[-1] != q.itemsize
         q_strides = _elem_strides(q) if not self.copy_q else _packed(q.shape)
@@ -303,7 +320,7 @@ class DecodePlan:
         (0: chosen by :func:`choose_splits`) cut to one split per step of the key loop and to
         DECODE_MAX_SPLITS."""
         if num_splits <= 0:
-            num_splits = choose_splits(self.blocks, max_keys, self.slots)
+            num_splits = choose_splits(self.blocks, max_keys, self.slots, self.sms)
         tiles = max(1, -(-max_keys // self.tile))
         split_keys = -(-tiles // min(num_splits, tiles, P.DECODE_MAX_SPLITS)) * self.tile
         return max(1, -(-max_keys // split_keys)), split_keys
