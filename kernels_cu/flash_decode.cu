@@ -181,24 +181,28 @@ struct DecodeBlock {
     }
 };
 
+// counter += 1 at GPU scope, returning the count before: a release of this thread's earlier
+// writes (and, through a barrier before it, its block's) and an acquire of the writes released
+// by the additions before it.
+__device__ __forceinline__ int count_acq_rel(int* counter) {
+    int before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
+    return before;
+}
+
 // Whether this block is the last of its (sequence, KV head)'s splits to finish, called by
 // every thread after storing its share of the block's partials. The barrier orders the
-// block's stores before thread 0's fence, whose effect covers them (the fence is cumulative),
-// and the fence before the block's count: the last block to count sees every split's
-// partials (it reads them through L2, decode_merge_splits). It zeroes the count for the next
-// launch.
+// block's stores before thread 0's count, which releases them (cumulatively) and acquires
+// the earlier splits': the last block to count sees every split's partials, and its barrier
+// passes them on to its threads (who read them through L2, decode_merge_splits). It zeroes
+// the count for the next launch.
 __device__ __forceinline__ bool decode_last_split(const DecodeParams& p) {
     __shared__ int sLast;
     __syncthreads();  // one split: the block's own partials, stored by all its threads, seen by all
     if (p.splits == 1) return true;
     if (threadIdx.x == 0) {
-        __threadfence();
-        const int done = atomicAdd(p.counters + blockIdx.x, 1);
-        sLast = done == p.splits - 1;
-        if (sLast) {
-            p.counters[blockIdx.x] = 0;
-            __threadfence();  // the other splits' counts come before this block's reads
-        }
+        sLast = count_acq_rel(p.counters + blockIdx.x) == p.splits - 1;
+        if (sLast) p.counters[blockIdx.x] = 0;
     }
     __syncthreads();
     return sLast;
@@ -208,6 +212,18 @@ template <typename Acc> struct Acc16;  // 16 bytes of Acc, as ld.global.cg loads
 template <> struct Acc16<float> { using type = float4; };
 template <> struct Acc16<double> { using type = double2; };
 
+// A 16-byte chunk's elements (by value: taking the chunk's address would put it on the stack).
+__device__ __forceinline__ void unpack(const float4& x, float (&v)[4]) {
+    v[0] = x.x;
+    v[1] = x.y;
+    v[2] = x.z;
+    v[3] = x.w;
+}
+__device__ __forceinline__ void unpack(const double2& x, double (&v)[2]) {
+    v[0] = x.x;
+    v[1] = x.y;
+}
+
 // The splits' partial rows row0 .. row0 + rows - 1 (rows <= ROWS) merged with their sinks into
 // the output: lse2 = log2(2^sink + sum_s 2^lse2_s), then O = sum_s O_s w_s with the weights
 // w_s = 2^(lse2_s - lse2) kept in sW (ROWS, kDecodeMaxSplits) (the block's drained stages), a
@@ -216,7 +232,7 @@ template <> struct Acc16<double> { using type = double2; };
 // O = 0, lse = -inf; a row any split marked NaN (a bad length or block table entry) gets NaN.
 // Other blocks wrote the partials during this launch: they are read through L2
 // (ld.global.cg), never a stale L1 line.
-template <typename T, typename Acc, int ROWS>
+template <typename T, typename Acc, int ROWS, int EARLY>
 __device__ void decode_merge_splits(const DecodeParams& p, i64 row0, int rows, Acc* sW) {
     constexpr int VEC = 16 / int(sizeof(Acc));
     using Chunk = typename Acc16<Acc>::type;
@@ -225,6 +241,17 @@ __device__ void decode_merge_splits(const DecodeParams& p, i64 row0, int rows, A
     const Acc* gLse = static_cast<const Acc*>(p.lse_part) + row0;
     const Acc* gO = static_cast<const Acc*>(p.o_part) + row0 * p.dv;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, splits = p.splits;
+    const int chunks = p.dv / VEC;  // Dv is whole 16-byte chunks of T, so of Acc
+    // The first chunk of O a thread merges: its first EARLY splits' loads go out now, so they
+    // wait beside the lse loads below rather than after them (the CUDA-core kernels pass 0:
+    // ptxas spilled their registers for it).
+    Chunk early[EARLY > 0 ? EARLY : 1];
+    if (EARLY > 0 && threadIdx.x < rows * chunks) {
+        const int r = threadIdx.x / chunks, c = (threadIdx.x % chunks) * VEC;
+#pragma unroll
+        for (int s = 0; s < EARLY; ++s)
+            if (s < splits) early[s] = __ldcg(reinterpret_cast<const Chunk*>(gO + (s * total_rows + r) * p.dv + c));
+    }
     for (int r = warp; r < rows; r += blockDim.x / 32) {
         Acc* w = sW + r * kDecodeMaxSplits;
         Acc mx = neg_inf<Acc>();
@@ -252,18 +279,25 @@ __device__ void decode_merge_splits(const DecodeParams& p, i64 row0, int rows, A
     }
     __syncthreads();
     T* out = static_cast<T*>(p.o) + row0 * p.dv;
-    const int chunks = p.dv / VEC;  // Dv is whole 16-byte chunks of T, so of Acc
     for (int e = threadIdx.x; e < rows * chunks; e += blockDim.x) {
         const int r = e / chunks, c = (e % chunks) * VEC;
         const Acc* w = sW + r * kDecodeMaxSplits;
         Acc o[VEC] = {};
-#pragma unroll 8
-        for (int s = 0; s < splits; ++s) {
-            const Chunk x = __ldcg(reinterpret_cast<const Chunk*>(gO + (s * total_rows + r) * p.dv + c));
-            const Acc* xv = reinterpret_cast<const Acc*>(&x);
+        auto add = [&](Chunk x, int s) {
+            Acc xv[VEC];
+            unpack(x, xv);
 #pragma unroll
             for (int v = 0; v < VEC; ++v) o[v] += w[s] * xv[v];
+        };
+        int s = 0;
+        if (EARLY > 0 && e == threadIdx.x) {  // the chunk loaded early
+#pragma unroll
+            for (int j = 0; j < EARLY; ++j)
+                if (j < splits) add(early[j], j);
+            s = EARLY;
         }
+#pragma unroll 8
+        for (; s < splits; ++s) add(__ldcg(reinterpret_cast<const Chunk*>(gO + (s * total_rows + r) * p.dv + c)), s);
         const bool bad = sLse2[r] != sLse2[r];
 #pragma unroll
         for (int v = 0; v < VEC; ++v) out[i64(r) * p.dv + c + v] = static_cast<T>(bad ? quiet_nan<Acc>() : o[v]);
@@ -491,7 +525,7 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
         const Acc l = sL[r];
         gLse[r] = bad ? quiet_nan<Acc>() : l > Acc(0) ? sM[r] + log2_acc(l) : neg_inf<Acc>();
     }
-    if (decode_last_split(p)) decode_merge_splits<T, Acc, ROWS>(p, row0, rows, reinterpret_cast<Acc*>(smem));
+    if (decode_last_split(p)) decode_merge_splits<T, Acc, ROWS, 0>(p, row0, rows, reinterpret_cast<Acc*>(smem));
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800  // mma.sync m16n8k16 and ldmatrix: sm_80+
@@ -610,6 +644,14 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
     int* sPos = sHi + ROWS;
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (TMA) {
+        if (tid == 0) {
+            prefetch_tensor_map(&maps.k);
+            prefetch_tensor_map(&maps.v);
+        }
+    }
+#endif
     const DecodeBlock<float> blk(p);
     const int b = blk.b, hk = blk.hk, split = blk.split, group = blk.group, rows = blk.rows, keys = blk.keys;
     const i64 total_rows = blk.total_rows, row0 = blk.row0;
@@ -899,7 +941,7 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         }
     }
     if (!whole && decode_last_split(p))
-        decode_merge_splits<T, float, ROWS>(p, row0, rows, reinterpret_cast<float*>(smem));
+        decode_merge_splits<T, float, ROWS, 8>(p, row0, rows, reinterpret_cast<float*>(smem));
 }
 
 #endif  // sm_80+

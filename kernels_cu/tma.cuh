@@ -65,6 +65,12 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Starts fetching a tensor map (a __grid_constant__ parameter) into the TMA unit's cache, so the
+// first copy through it does not wait for the descriptor as well as for its data.
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+}
+
 // The box at coordinates (c0, c1, c2, c3) (innermost first, elements) of a 4-d tensor map
 // into shared memory at dst, its bytes counted on barrier bar.
 __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap* map, int c0, int c1, int c2, int c3, u32 bar) {
