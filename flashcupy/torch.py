@@ -194,6 +194,10 @@ class _TorchMemory:
     alive; ``allocations`` does not (weakly), so what the call frees goes back to torch's
     allocator at once."""
 
+    #: Safe while a CUDA graph is captured: torch gives the graph a private pool of its own
+    #: (flashcupy.cuda.temporaries keeps this allocator then).
+    graph_safe = True
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.allocations: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()

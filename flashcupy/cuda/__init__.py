@@ -73,16 +73,19 @@ def temporaries(stream: Any = None, capturing: bool | None = None) -> contextlib
     made as the memory's last reference goes inside the capture, become nodes of the graph,
     so every replay writes memory of its own. Memory from CuPy's pool would go back to the
     pool when the capture ends and to later work, which replays would then overwrite.
-    Elsewhere, and where the driver has no stream-ordered allocations, nothing changes.
-    A result allocated inside would stay allocated after the capture, and CUDA refuses to
-    launch such a graph a second time."""
+    Elsewhere, where the driver has no stream-ordered allocations, and under an allocator
+    that is safe in a capture already (``graph_safe``: flashcupy.torch's, from torch's
+    caching allocator, which gives a graph a private pool), nothing changes. A result
+    allocated inside would stay allocated after the capture, and CUDA refuses to launch such
+    a graph a second time."""
     import cupy
 
     if stream is None:
         stream = cupy.cuda.get_current_stream()
     if capturing is None:
         capturing = stream.is_capturing()
-    if not capturing or not _graph_allocations(cupy.cuda.runtime.getDevice()):
+    if not capturing or getattr(cupy.cuda.get_allocator(), "graph_safe", False) \
+            or not _graph_allocations(cupy.cuda.runtime.getDevice()):
         return _NO_CONTEXT
     return cupy.cuda.using_allocator(_GraphMemory(stream))
 
