@@ -551,8 +551,11 @@ struct DecodeMmaShape {
     static constexpr int kStages = HK + HV > 256 ? 2 : 3;
     static constexpr int kWarpBytes = kStages * kStageBytes;
     static constexpr int kTilesBytes = kWarps * kWarpBytes;
-    // After the loop: each warp's O (kRows, HV), m and l (kRows) in float, over the stages.
-    static constexpr int kMergeBytes = kWarps * kRows * (HV + 2) * 4;
+    // After the loop: each warp's O (kRows, HV) at a pitch of kOPitch floats, m and l (kRows)
+    // in float, over the stages. The pitch is 8 floats (a half-warp's 16 float2 stores: rows
+    // g = 0..3, columns t2) past a multiple of 32 banks, so those stores fall in 32 banks.
+    static constexpr int kOPitch = HV + 8;
+    static constexpr int kMergeBytes = kWarps * kRows * (kOPitch + 2) * 4;
     static constexpr int kQOffset = kTilesBytes > kMergeBytes ? kTilesBytes : kMergeBytes;
     static constexpr int kLdQ = HK + kVec;  // Q's pitch in elements (padded as PaddedTile)
     static constexpr int kRowOffset = kQOffset + kRows * kLdQ * int(sizeof(T));
@@ -752,16 +755,24 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         if (n < mine) load_tile(n, n);
         commit();
     }
-    // Q (ROWS, LDQ) to shared memory while the first tiles are in flight: the two waits overlap.
-    for (int e = tid; e < ROWS * LDQ; e += Shape::kThreads) {
-        const int r = e / LDQ, c = e % LDQ;
-        T x = T(0.0f);
+    // Q (ROWS, LDQ) to shared memory while the first tiles are in flight: the two waits
+    // overlap. Every load goes out before any store, so the loads wait together: a store to
+    // sQ between two of them held the next one back (the compiler cannot tell sQ from gQ),
+    // one memory round trip each.
+    constexpr int Q_EACH = (ROWS * LDQ + Shape::kThreads - 1) / Shape::kThreads;
+    T rQin[Q_EACH];
+#pragma unroll
+    for (int j = 0; j < Q_EACH; ++j) {
+        const int e = tid + j * Shape::kThreads, r = e / LDQ, c = e % LDQ;
+        rQin[j] = T(0.0f);
         if (r < rows && c < p.d) {
             const int i = r % p.lq, hq = hk * group + r / p.lq;
-            x = gQ[i64(b) * p.q_sb + i64(hq) * p.q_sh + i64(i) * p.q_sr + c];
+            rQin[j] = gQ[i64(b) * p.q_sb + i64(hq) * p.q_sh + i64(i) * p.q_sr + c];
         }
-        sQ[e] = x;
     }
+#pragma unroll
+    for (int j = 0; j < Q_EACH; ++j)
+        if (tid + j * Shape::kThreads < ROWS * LDQ) sQ[tid + j * Shape::kThreads] = rQin[j];
     __syncthreads();
 
     // Accumulator fragments: lane holds rows g = lane / 4 and g + 8, columns 2 (lane % 4) (+1)
@@ -866,13 +877,16 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
 
     // Each warp's (m, l, O) to shared memory, then per row: M = max_w m_w, weights 2^(m_w - M),
     // O = sum_w O_w 2^(m_w - M) / L with L = sum_w l_w 2^(m_w - M), in a fixed order.
-    float* sO = reinterpret_cast<float*>(smem);   // (WARPS, ROWS, HV)
-    float* sM = sO + WARPS * ROWS * HV;           // (WARPS, ROWS)
+    constexpr int OP = Shape::kOPitch;
+    float* sO = reinterpret_cast<float*>(smem);   // (WARPS, ROWS, OP)
+    float* sM = sO + WARPS * ROWS * OP;           // (WARPS, ROWS)
     float* sL = sM + WARPS * ROWS;
 #pragma unroll
     for (int j = 0; j < HV / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sO[(warp * ROWS + g + 8 * (e / 2)) * HV + 8 * j + t2 + e % 2] = rO[0][j][e];
+        for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<float2*>(sO + (warp * ROWS + g + 8 * h) * OP + 8 * j + t2) =
+                make_float2(rO[0][j][2 * h], rO[0][j][2 * h + 1]);
     if (lane % 4 == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -917,7 +931,7 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         const float lr = weights(r, wgt, base);
         float o = 0.0f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) o += wgt[w] * sO[(w * ROWS + r) * HV + c];
+        for (int w = 0; w < WARPS; ++w) o += wgt[w] * sO[(w * ROWS + r) * OP + c];
         o = bad ? quiet_nan<float>() : lr > 0.0f ? o / lr : 0.0f;
         if (whole) {
             const float lse2 = own_lse2(r, lr, base);

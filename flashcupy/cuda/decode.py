@@ -53,7 +53,7 @@ def mma_shape(hk: int, hv: int, tma: bool = False) -> tuple[int, int]:
     stages = 2 if hk + hv > 256 else 3
     tile_k, tile_v = (MMA_KEYS * 2 * h + (0 if tma else MMA_KEYS * 16) for h in (hk, hv))
     tiles = MMA_WARPS * stages * (tile_k + tile_v)
-    merge = MMA_WARPS * 16 * (hv + 2) * 4
+    merge = MMA_WARPS * 16 * (hv + 8 + 2) * 4  # O at a pitch of hv + 8 floats, then m and l
     used = max(tiles, merge) + 16 * (hk + 8) * 2 + 16 * 4 * 4 + (MMA_WARPS * stages * 8 if tma else 0)
     return MMA_WARPS * MMA_KEYS, used + (1024 if tma else 0)
 
