@@ -350,14 +350,23 @@ __global__ void __launch_bounds__(128) decode_split(const DecodeParams p) {
         sM[r] = neg_inf<Acc>();
         sL[r] = Acc(0);
     }
-    for (int e = tid; e < ROWS * HK; e += THREADS) {
-        const int r = e / HK, c = e % HK;
-        Acc x = 0;
-        if (r < rows && c < p.d) {
-            const int i = r % p.lq, hq = hk * group + r / p.lq;
-            x = widen(gQ[i64(b) * p.q_sb + i64(hq) * p.q_sh + i64(i) * p.q_sr + c]) * q_mul;
+    // q * scale * log2(e) (ROWS, HK) to shared memory, up to 8 loads of a thread out before
+    // their stores (as decode_split_mma's Q: a store between two loads holds the next back).
+    constexpr int Q_EACH = (ROWS * HK + THREADS - 1) / THREADS, Q_BATCH = Q_EACH < 8 ? Q_EACH : 8;
+    for (int j0 = 0; j0 < Q_EACH; j0 += Q_BATCH) {
+        Acc x[Q_BATCH];
+#pragma unroll
+        for (int j = 0; j < Q_BATCH; ++j) {
+            const int e = tid + (j0 + j) * THREADS, r = e / HK, c = e % HK;
+            x[j] = 0;
+            if (r < rows && c < p.d) {
+                const int i = r % p.lq, hq = hk * group + r / p.lq;
+                x[j] = widen(gQ[i64(b) * p.q_sb + i64(hq) * p.q_sh + i64(i) * p.q_sr + c]) * q_mul;
+            }
         }
-        sQ[e] = x;
+#pragma unroll
+        for (int j = 0; j < Q_BATCH; ++j)
+            if (tid + (j0 + j) * THREADS < ROWS * HK) sQ[tid + (j0 + j) * THREADS] = x[j];
     }
     __syncthreads();
 
