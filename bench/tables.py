@@ -45,7 +45,7 @@ SOURCES: dict[str, list[str]] = {
                 "nvidia-h200-2026-11-28-options-wide.json", "nvidia-h200-2026-11-28-options-f32-staged.json",
                 "nvidia-h200-2026-11-28-options-f64-staged.json", "nvidia-h200-2026-11-28-options-triple.json",
                 "nvidia-h200-2026-11-28-options-padding-blockmask.json"],
-    "decode": ["nvidia-h200-2026-11-28-decode-merge.json"],
+    "decode": ["nvidia-h200-2026-11-28-decode-fixed-costs.json"],
     "overhead": ["nvidia-h200-2026-11-28-overhead-graph.json"],
     "cpu": ["cpu-2026-11-27.json"],
 }
