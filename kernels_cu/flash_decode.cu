@@ -266,6 +266,7 @@ __device__ void decode_merge_splits(const DecodeParams& p, i64 row0, int rows, A
         for (int off = 16; off > 0; off /= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
         bad = __any_sync(0xffffffffu, bad);
         const Acc sink = p.sinks != nullptr ? Acc(p.sinks[(row0 + r) / p.lq] * kLog2e) : neg_inf<Acc>();
+        bad |= sink != sink;  // a NaN sink reaches its rows (max() would drop it), as with one split
         mx = max(mx, sink);
         const Acc base = mx == neg_inf<Acc>() ? Acc(0) : mx;
         Acc sum = lane == 0 ? softmax_exp2(sink - base) : Acc(0);
@@ -958,7 +959,7 @@ __global__ void __launch_bounds__(128) decode_split_mma(const DecodeParams p, co
         const float lse2 = own_lse2(r, lr, base);
         if (whole) {
             const float merged = with_sink(r, lse2);
-            gLse[r] = merged > neg_inf<float>() ? merged / kLog2e : merged;  // NaN and -inf stay
+            gLse[r] = merged > neg_inf<float>() ? merged / float(kLog2e) : merged;  // NaN and -inf stay
         } else {
             gLse[r] = lse2;
         }

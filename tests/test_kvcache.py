@@ -340,6 +340,31 @@ def _long_call():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_a_nan_sink_reaches_its_rows_however_the_keys_split(num_splits):
+    """A device sink that is NaN gives its head's rows NaN (out and lse) with one split, which
+    writes out directly, and with several, which the last split merges (the merge's max() had
+    dropped it: zeros and -inf); the other heads are as without it."""
+    import cupy
+
+    rs = np.random.default_rng(14)
+    q, kc, vc = (cupy.asarray(rs.standard_normal(s).astype(F16)) for s in
+                 ((2, 8, 1, 64), (2, 2, 4096, 64), (2, 2, 4096, 64)))
+    sinks = rs.standard_normal(8)
+    nan_sinks = sinks.copy()
+    nan_sinks[3] = np.nan
+    out, lse = fc.flash_attention_with_kvcache(q, kc, vc, sinks=cupy.asarray(nan_sinks), num_splits=num_splits,
+                                               return_lse=True)
+    want, want_lse = fc.flash_attention_with_kvcache(q, kc, vc, sinks=cupy.asarray(sinks), num_splits=num_splits,
+                                                     return_lse=True)
+    out, lse, want, want_lse = (x.get() for x in (out, lse, want, want_lse))
+    assert np.isnan(out[:, 3]).all() and np.isnan(lse[:, 3]).all()
+    others = [h for h in range(8) if h != 3]
+    np.testing.assert_array_equal(out[:, others], want[:, others])
+    np.testing.assert_array_equal(lse[:, others], want_lse[:, others])
+
+
+@pytest.mark.gpu
 def test_decode_splits_change_nothing_but_rounding():
     """The same call split 1, 3 and the chosen number of ways: equal within float32 rounding,
     and bitwise repeatable for a fixed count."""
