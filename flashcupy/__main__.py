@@ -491,7 +491,7 @@ def run_check_case(case: dict[str, Any], backend: str) -> list[tuple[str, float,
                                                **options)
     ref, naive = testing.reference_results(q, k, v, options, dout)
     terms = testing.cancelling_terms(q, k, dout, ref["out"], options.get("scale"),
-                                     np.shape(options["bias"]) if bias_grad else None)
+                                     np.shape(options["bias"]) if bias_grad else None, options.get("cu_seqlens_q"))
     names = ("out", "lse", "dq", "dk", "dv") + (("dbias",) if bias_grad else ()) + (
         ("dsinks",) if options.get("sinks") is not None else ())
     ours = dict(zip(names, (out, lse) + tuple(grads), strict=True))

@@ -77,7 +77,7 @@ def cancelling_terms(case: AttentionProblem, ref: dict[str, np.ndarray]) -> dict
     """:func:`flashcupy.testing.cancelling_terms` for a drawn case."""
     bias = case.options.get("bias")
     return testing.cancelling_terms(case.q, case.k, case.dout, ref["out"], case.options.get("scale"),
-                                    None if bias is None else np.shape(bias))
+                                    None if bias is None else np.shape(bias), case.options.get("cu_seqlens_q"))
 
 
 @contextlib.contextmanager

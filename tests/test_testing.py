@@ -248,6 +248,13 @@ def test_dbias_terms_count_the_rows_a_broadcast_bias_sums() -> None:
     assert row == testing.cancelling_terms(q, k, dout, out, bias_shape=(2, 4, 16, 50))["dbias"] > 0
     assert testing.cancelling_terms(q, k, dout, out, bias_shape=(1, 1))["dbias"] == 128 * row
     assert testing.cancelling_terms(q, k, dout, out, bias_shape=(4, 1, 50))["dbias"] == 32 * row
+    # packed (Hq, total) rows of three sequences of 5, 9 and 2 queries: the bias's frame is
+    # (3, Hq, 9), so a (1, Hq, 9, Lk) bias sums three sequences' rows into an element
+    packed = dout[0].reshape(4, 16, 8)
+    row = testing.cancelling_terms(q, k, packed, out[0].reshape(4, 16, 8))["dbias"]
+    terms = testing.cancelling_terms(q, k, packed, out[0].reshape(4, 16, 8), bias_shape=(1, 4, 9, 50),
+                                     cu_seqlens_q=[0, 5, 14, 16])
+    assert terms["dbias"] == 3 * row
 
 
 # --------------------------------------------------------------------------- the strategy

@@ -151,7 +151,8 @@ def gradients_close(grads: Sequence[Any], dout: Any, q: Any, k: Any, v: Any,
     q, k, v, dout = (to_host(x) for x in (q, k, v, dout))
     ref, naive = reference_results(q, k, v, options, dout)
     dtype = q.dtype
-    terms = cancelling_terms(q, k, dout, ref["out"], options.get("scale"), None if bias is None else np.shape(bias))
+    terms = cancelling_terms(q, k, dout, ref["out"], options.get("scale"), None if bias is None else np.shape(bias),
+                             options.get("cu_seqlens_q"))
     results = {}
     for name, g in zip(names, grads):
         dt = floor_dtype(dtype, to_host(bias).dtype) if name == "dbias" else dtype

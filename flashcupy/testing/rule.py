@@ -155,7 +155,7 @@ def compare(ours: Any, ref: np.ndarray, naive: Any, dtype: Any, magnitude: float
 
 
 def cancelling_terms(q: Any, k: Any, dout: Any, out_ref: np.ndarray, scale: float | None = None,
-                     bias_shape: tuple[int, ...] | None = None) -> dict[str, float]:
+                     bias_shape: tuple[int, ...] | None = None, cu_seqlens_q: Any = None) -> dict[str, float]:
     """Magnitudes of the terms that cancel in dS = P (dP - D), per gradient: the
     ``magnitude`` argument of :func:`tolerance` for dq, dk, dv, dbias and dsinks.
 
@@ -164,13 +164,17 @@ def cancelling_terms(q: Any, k: Any, dout: Any, out_ref: np.ndarray, scale: floa
     gradient keeps a residual of |dO| |O| ulp: an error of the algorithm, relative to
     these terms rather than to the (near-zero) result. ``out_ref`` is the float64 out;
     ``bias_shape``: the bias's shape, whose gradient sums the residuals of every score row
-    its broadcast (batch, head and query) axes reduce into one element.
+    its broadcast (batch, head and query) axes reduce into one element; ``cu_seqlens_q``:
+    packed sequences' offsets, whose bias is laid out over the padded rows (B, Hq, max Lq).
     """
     o = np.abs(np.asarray(out_ref, np.float64))
     t = float(np.max(np.sum(np.abs(np.asarray(dout, np.float64)) * o, axis=-1), initial=0.0))
     scale = abs(scale or 1.0 / np.sqrt(np.shape(q)[-1]))
     big = lambda x: float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))  # noqa: E731
     rows = tuple(np.shape(dout)[:-1])  # (..., Hq, Lq)
+    if cu_seqlens_q is not None:  # packed (Hq, total): the bias's frame is (B, Hq, longest)
+        lengths = np.diff(np.asarray(cu_seqlens_q))
+        rows = (len(lengths), rows[0], int(np.max(lengths, initial=0)))
     reduced = 1
     if bias_shape is not None:
         # a dbias element adds P_ij D_i over the rows its broadcast axes reduce; sum_j P_ij <= 1
