@@ -92,8 +92,10 @@ def _forward(q: Any, k: Any, v: Any, options: dict[str, Any], prepared: tuple | 
 
 
 def _learn_forward(keys: tuple | None, pb: Problem, backend: str) -> None:
-    """Keep the plans of a forward that the full path ran (on the GPU) for CuPy calls of ``keys``."""
-    if backend == "cuda":
+    """Keep the plans of a forward that the full path ran (on the GPU) for CuPy calls of ``keys``;
+    not while CuPy's stream is being captured into a CUDA graph, where planning may run the
+    call's copies (or the backward) again outside its temporaries (a later call plans)."""
+    if backend == "cuda" and not cuda.capturing():
         calls.CUPY.learn(keys, pb.q.device.id, lambda: pb)
 
 
@@ -110,8 +112,9 @@ def _backward_planned(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, opt
 
 def _learn_backward(planned: Any, key: tuple | None, pb: Problem, backend: str, dout: Any, out: Any,
                     lse: Any, deterministic: bool) -> None:
-    """Keep the plan of a backward (no dbias) that the full path ran on the GPU in ``planned``."""
-    if planned is not None and backend == "cuda":
+    """Keep the plan of a backward (no dbias) that the full path ran on the GPU in ``planned``
+    (not while a CUDA graph is captured: see :func:`_learn_forward`)."""
+    if planned is not None and backend == "cuda" and not cuda.capturing():
         planned.learn_backward(key, lambda: cuda.backward_plan(pb, *check_device_backward_arrays(pb, dout, out, lse),
                                                                 deterministic))
 

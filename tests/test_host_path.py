@@ -677,3 +677,40 @@ def test_float32_keeps_float32_accuracy_unless_tf32_is_allowed(arch) -> None:
 def test_arch_flag_names_sm_90a_only_for_compute_capability_9_0() -> None:
     assert S.arch_flag(90) == "sm_90a"
     assert [S.arch_flag(a) for a in (75, 80, 86, 89)] == ["sm_75", "sm_80", "sm_86", "sm_89"]
+
+
+def test_temporaries_are_the_graphs_own_only_under_a_capture(monkeypatch) -> None:
+    """cuda.temporaries: CuPy's allocator unchanged outside a capture and under an allocator
+    marked graph_safe (the torch path's); stream-ordered allocations on the captured stream
+    otherwise; where the driver has none, a RuntimeWarning once and the allocator unchanged."""
+    import warnings
+
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(cuda, "_graph_allocations", lambda device: True)
+
+    class Stream:
+        ptr = 0x1230
+
+    stream = Stream()
+    assert cuda.temporaries(stream, False) is cuda._NO_CONTEXT
+    with cuda.temporaries(stream, True):
+        graph_memory = cupy.cuda.get_allocator()
+    assert isinstance(graph_memory, cuda._GraphMemory) and graph_memory.stream is stream
+    assert not isinstance(cupy.cuda.get_allocator(), cuda._GraphMemory)  # restored on the way out
+
+    class SafeInCapture:
+        graph_safe = True
+
+        def __call__(self, nbytes):
+            raise AssertionError("not called here")
+
+    with cupy.cuda.using_allocator(SafeInCapture()):
+        assert cuda.temporaries(stream, True) is cuda._NO_CONTEXT
+    monkeypatch.setattr(cuda, "_graph_allocations", lambda device: False)
+    cuda._warn_pool_temporaries.cache_clear()
+    with pytest.warns(RuntimeWarning, match="stream-ordered"):
+        assert cuda.temporaries(stream, True) is cuda._NO_CONTEXT
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cuda.temporaries(stream, True) is cuda._NO_CONTEXT  # warned once

@@ -73,9 +73,10 @@ def temporaries(stream: Any = None, capturing: bool | None = None) -> contextlib
     made as the memory's last reference goes inside the capture, become nodes of the graph,
     so every replay writes memory of its own. Memory from CuPy's pool would go back to the
     pool when the capture ends and to later work, which replays would then overwrite.
-    Elsewhere, where the driver has no stream-ordered allocations, and under an allocator
-    that is safe in a capture already (``graph_safe``: flashcupy.torch's, from torch's
-    caching allocator, which gives a graph a private pool), nothing changes. A result
+    Outside a capture, and under an allocator that is safe in one already (``graph_safe``:
+    flashcupy.torch's, from torch's caching allocator, which gives a graph a private pool),
+    nothing changes; where the driver has no stream-ordered allocations, a RuntimeWarning
+    says so once and nothing changes either. A result
     allocated inside would stay allocated after the capture, and CUDA refuses to launch such
     a graph a second time."""
     import cupy
@@ -84,14 +85,34 @@ def temporaries(stream: Any = None, capturing: bool | None = None) -> contextlib
         stream = cupy.cuda.get_current_stream()
     if capturing is None:
         capturing = stream.is_capturing()
-    if not capturing or getattr(cupy.cuda.get_allocator(), "graph_safe", False) \
-            or not _graph_allocations(cupy.cuda.runtime.getDevice()):
+    if not capturing or getattr(cupy.cuda.get_allocator(), "graph_safe", False):
+        return _NO_CONTEXT
+    if not _graph_allocations(cupy.cuda.runtime.getDevice()):
+        _warn_pool_temporaries()
         return _NO_CONTEXT
     return cupy.cuda.using_allocator(_GraphMemory(stream))
 
 
+@functools.cache
+def _warn_pool_temporaries() -> None:
+    """Warns once that captured calls' temporaries come from CuPy's pool (no stream-ordered
+    allocations on this device)."""
+    import warnings
+
+    warnings.warn("flashcupy: this GPU's driver has no stream-ordered allocations, so a captured call's temporaries "
+                  "come from CuPy's memory pool; keep later allocations from reusing them (for example, capture "
+                  "with a pool of its own) or replays will overwrite them", RuntimeWarning, stacklevel=3)
+
+
 #: temporaries() outside a capture (a nullcontext can be entered again and again).
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+def capturing() -> bool:
+    """Whether CuPy's current stream is being captured into a CUDA graph."""
+    import cupy
+
+    return cupy.cuda.get_current_stream().is_capturing()
 
 
 @functools.cache
