@@ -47,7 +47,7 @@ SOURCES: dict[str, list[str]] = {
                 "nvidia-h200-2026-11-28-options-padding-blockmask.json"],
     "decode": ["nvidia-h200-2026-11-28-decode-fixed-costs.json"],
     "overhead": ["nvidia-h200-2026-11-28-overhead-graph.json"],
-    "cpu": ["cpu-2026-11-27.json"],
+    "cpu": ["cpu-2026-11-29.json"],
 }
 
 
