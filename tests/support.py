@@ -12,7 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from unittest import mock
 
 import ml_dtypes
@@ -127,3 +127,32 @@ def padded_to_packed(x: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def cu_seqlens(lengths: np.ndarray) -> np.ndarray:
     """int32 cumulative lengths starting at 0."""
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def captured_replays(call: Callable[[Any], tuple], queries: list, held: int = 3) -> list[tuple[list, list]]:
+    """(results, the same call's results made alone) pairs, on the host, of ``call`` (a query ->
+    a tuple of CuPy arrays) captured in a CUDA graph on a copy of queries[0] and replayed with
+    queries 1, 2 and 1 written into that copy, on the capturing stream: around each replay,
+    ``held`` eager calls on the next query, made after the capture and read only after the
+    replay, and one eager call on the replayed query after it. A graph that wrote memory CuPy's
+    pool had handed out since the capture would show in the held results."""
+    import cupy
+
+    alone = [[a.get() for a in call(x)] for x in queries]
+    q = queries[0].copy()  # the captured call's input buffer
+    pairs = []
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        call(q)  # compiled and planned before the capture
+        stream.begin_capture()
+        captured = call(q)
+        graph = stream.end_capture()
+        for n in (1, 2, 1):
+            other = (n + 1) % 3
+            q[...] = queries[n]
+            eager = [call(queries[other]) for _ in range(held)]
+            graph.launch(stream)
+            after = call(queries[n])
+            for got, want in [(e, alone[other]) for e in eager] + [(captured, alone[n]), (after, alone[n])]:
+                pairs.append(([a.get() for a in got], want))  # before the next replay writes `captured`
+    return pairs

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import flashcupy as fc
 from flashcupy import reference, rng
 from support import (
-    BF16, F16, F32, F64, FLOOR, Case, assert_rule, cancelling_terms, cases, cu_seqlens, gradient_names,
-    padded_to_packed,
+    BF16, F16, F32, F64, FLOOR, Case, assert_rule, cancelling_terms, captured_replays, cases, cu_seqlens,
+    gradient_names, padded_to_packed,
 )
 
 pytestmark = pytest.mark.gpu
@@ -902,20 +902,6 @@ def test_captured_calls_keep_their_temporaries_from_later_work(options) -> None:
         out, lse = fc.flash_attention_forward(x, k, v, **options)
         return (out, lse, *fc.flash_attention_backward(dout, x, k, v, out, lse, **grad, **options))
 
-    alone = [[a.get() for a in call(x)] for x in queries]
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        call(queries[0])  # compiled and planned before the capture
-        q = queries[0].copy()
-        stream.begin_capture()
-        captured = call(q)
-        graph = stream.end_capture()
-        for n in (1, 2, 1):
-            other = (n + 1) % 3
-            q[...] = queries[n]
-            held = [call(queries[other]) for _ in range(3)]  # allocated after the capture, read after the replay
-            graph.launch(stream)
-            for got, want in [(c, alone[other]) for c in held] + [(captured, alone[n])]:
-                for g, w in zip(got, want, strict=True):  # dQ and dbias add by atomics: in any order
-                    np.testing.assert_allclose(g.get().astype(np.float32), w.astype(np.float32), rtol=1e-2,
-                                               atol=1e-2)
+    for got, want in captured_replays(call, queries):
+        for g, w in zip(got, want, strict=True):  # dQ and dbias add by atomics: in any order
+            np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=1e-2, atol=1e-2)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import flashcupy as fc
 
-from support import BF16, F16, F32, F64, assert_rule
+from support import BF16, F16, F32, F64, assert_rule, captured_replays
 
 
 def _shared_prefix(k_cache: np.ndarray, v_cache: np.ndarray, lens: np.ndarray, block_size: int | None) -> list[int]:
@@ -392,27 +392,13 @@ def test_a_captured_decode_call_replays_beside_eager_calls():
     rs = np.random.default_rng(21)
     kc, vc = (cupy.asarray(rs.standard_normal((2, 2, 3000, 64)).astype(F16)) for _ in range(2))
     queries = [cupy.asarray(rs.standard_normal((2, 8, 1, 64)).astype(F16)) for _ in range(3)]
-    q = queries[0].copy()  # the captured call's input buffer
 
     def call(x):
         return fc.flash_attention_with_kvcache(x, kc, vc, num_splits=5, return_lse=True)
 
-    alone = [[a.get() for a in call(x)] for x in queries]
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        call(q)  # compiled and planned before the capture
-        stream.begin_capture()
-        captured = call(q)
-        graph = stream.end_capture()
-        for n in (1, 2, 1):
-            other = (n + 1) % 3
-            q[...] = queries[n]
-            held = [call(queries[other]) for _ in range(4)]
-            graph.launch(stream)
-            after = call(queries[n])
-            for got, want in [(h, alone[other]) for h in held] + [(captured, alone[n]), (after, alone[n])]:
-                np.testing.assert_array_equal(got[0].get(), want[0])
-                np.testing.assert_array_equal(got[1].get(), want[1])
+    for got, want in captured_replays(call, queries, held=4):
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
 
 
 @pytest.mark.gpu
