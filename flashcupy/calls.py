@@ -297,8 +297,7 @@ class _CupyKind(Kind):
     def temporaries(self) -> contextlib.AbstractContextManager:
         """The capture's own memory while CuPy's current stream is being captured into a CUDA
         graph (CuPy's pool would hand it to later work: :func:`flashcupy.cuda.temporaries`)."""
-        stream = self._module().cuda.get_current_stream()
-        return cuda.temporaries(stream, stream.is_capturing())
+        return cuda.temporaries()
 
 
 #: Calls on CuPy arrays (flashcupy.api).

@@ -69,14 +69,13 @@ def temporaries(stream: Any = None, capturing: bool | None = None) -> contextlib
     """A context for a launch's temporaries (never its results) on CuPy's current device.
     While ``stream`` (default: CuPy's current) is being captured into a CUDA graph
     (``capturing``, default ``stream.is_capturing()``), CuPy allocates from the graph: each
-    allocation and its free,
-    made as the memory's last reference goes inside the capture, become nodes of the graph,
-    so every replay writes memory of its own. Memory from CuPy's pool would go back to the
-    pool when the capture ends and to later work, which replays would then overwrite.
-    Outside a capture, and under an allocator that is safe in one already (``graph_safe``:
-    flashcupy.torch's, from torch's caching allocator, which gives a graph a private pool),
-    nothing changes; where the driver has no stream-ordered allocations, a RuntimeWarning
-    says so once and nothing changes either. A result
+    allocation and its free, made as the memory's last reference goes inside the capture,
+    become nodes of the graph, so every replay writes memory of its own. Memory from CuPy's
+    pool would go back to the pool when the capture ends and to later work, which replays
+    would then overwrite. Outside a capture, and under an allocator that is safe in one
+    already (``graph_safe``: flashcupy.torch's, from torch's caching allocator, which gives a
+    graph a private pool), nothing changes; where the driver has no stream-ordered
+    allocations, a RuntimeWarning says so once and nothing changes either. A result
     allocated inside would stay allocated after the capture, and CUDA refuses to launch such
     a graph a second time."""
     import cupy
@@ -546,7 +545,7 @@ def forward(pb: Problem) -> tuple[Any, Any]:
         key = _layout_key(pb, device_id, operands, spec)
         cached = _FORWARD_TEMPLATES.get(key)
         stream = xp.cuda.get_current_stream()
-        with temporaries(stream, stream.is_capturing()):
+        with temporaries(stream):
             rows = _template_rows(pb, operands, cached, xp)
             if rows is not None:
                 cached.run(stream.ptr, *(x.data.ptr for x in rows), out.data.ptr, lse.data.ptr)
@@ -614,7 +613,7 @@ def backward(pb: Problem, dout, out, lse, bias_grad: bool, deterministic: bool):
         dk = _empty(pb.k.shape, pb.dtype, xp)
         dv = _empty(pb.v.shape, pb.dtype, xp)
         stream = xp.cuda.get_current_stream()
-        with temporaries(stream, stream.is_capturing()):  # delta too: callers read it and let it go
+        with temporaries(stream):  # delta too: callers read it and let it go
             lse = xp.ascontiguousarray(lse, dtype=acc)
             delta, lse2 = xp.empty(pb.lse_shape, dtype=acc), xp.empty(pb.lse_shape, dtype=acc)
             grads = {"dq": dq, "dk": dk, "dv": dv}

@@ -141,6 +141,7 @@ def _unsupported(device_id: int, *arrays: tuple) -> str | None:
 
 @functools.cache
 def _multiprocessors(device_id: int) -> int:
+    """The multiprocessors (SMs) of ``device_id``."""
     import cupy
 
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
@@ -155,7 +156,7 @@ def _busy_blocks(device_id: int, smem: int, regs: int, copies: str) -> int:
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    sms = int(props["multiProcessorCount"])
+    sms = _multiprocessors(device_id)
     by_smem = int(props["sharedMemPerMultiprocessor"]) // (smem + 1024)
     by_regs = int(props["regsPerMultiprocessor"]) // max(1, regs * THREADS)
     each = max(1, min(by_smem, by_regs))
