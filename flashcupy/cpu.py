@@ -463,6 +463,11 @@ def _dbias_target(pb: Problem, seg: Segment) -> tuple[tuple, bool, bool]:
     return head, full[-2] == 1, full[-1] == 1
 
 
+def _dbias_slices(pb: Problem, segments: tuple[Segment, ...]) -> frozenset:
+    """The dbias slices (:func:`_dbias_target` indices) the segments add into."""
+    return frozenset(_dbias_target(pb, seg)[0] for seg in segments)
+
+
 def _backward_tasks(pb: Problem, units: list[_Unit], bias_grad: bool) -> list[list[_Unit]]:
     """Units in tasks: one each, except that with ``bias_grad`` units adding into the
     same dbias elements (a bias broadcast over batch or heads, or over keys) share one
@@ -471,9 +476,8 @@ def _backward_tasks(pb: Problem, units: list[_Unit], bias_grad: bool) -> list[li
         return [[u] for u in units]
     tasks: dict[tuple, list[_Unit]] = {}
     for u in units:
-        targets = [_dbias_target(pb, seg) for seg in u.segments]
-        cols_broadcast = targets[0][2]
-        key = (frozenset(t[0] for t in targets), None if cols_broadcast else u.part)
+        cols_broadcast = _dbias_target(pb, u.segments[0])[2]
+        key = (_dbias_slices(pb, u.segments), None if cols_broadcast else u.part)
         tasks.setdefault(key, []).append(u)
     return list(tasks.values())
 
@@ -505,7 +509,7 @@ def backward(pb: Problem, dout: np.ndarray, out: np.ndarray, lse: np.ndarray, bi
     # A dbias shared by groups (a bias broadcast over batch or heads) makes one task of the
     # units that add into each of its slices (_backward_tasks): split the keys as if there
     # were as many groups as slices, so that every core has a task.
-    parallel = len({frozenset(_dbias_target(pb, seg)[0] for seg in g) for g in groups}) if bias_grad else len(groups)
+    parallel = len({_dbias_slices(pb, g) for g in groups}) if bias_grad else len(groups)
     splits = backward_splits(pb, parallel)
     # Key ranges of whole tiles, cut at the same keys in every group (from the longest), so
     # that one part's units of all groups touch the same dbias columns: _backward_tasks runs

@@ -228,8 +228,9 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     xp, batch = lay.xp, lay.batch
     stream = xp.cuda.get_current_stream()
     capturing = stream.is_capturing()
+    device_lengths = interop._is_cupy(cache_seqlens)
     with dec.temporaries(stream, capturing):  # lengths, table and per-head arrays made here
-        if interop._is_cupy(cache_seqlens):
+        if device_lengths:
             if cache_seqlens.dtype.kind not in "iu":
                 raise TypeError(f"cache_seqlens: expected integers, received dtype {dtype_name(cache_seqlens.dtype)}")
             if cache_seqlens.ndim > 1 or cache_seqlens.size not in (1, batch):
@@ -239,7 +240,7 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
             lengths = cache_seqlens if cache_seqlens.shape == (batch,) and cache_seqlens.dtype == np.int32 and \
                 cache_seqlens.strides == (4,) else \
                 xp.ascontiguousarray(xp.broadcast_to(cache_seqlens.reshape(-1), (batch,)), dtype=np.int32)
-            most = None  # the capacity, once a host table is out of the way
+            most = lay.capacity
         else:
             lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
             most = _room(lay, lens, start)
@@ -248,13 +249,11 @@ def _decode(lay: _Layout, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         if lay.paged:
             if interop._is_cupy(block_table):
                 table = dec.device_table(device_array("block_table", block_table, q.data.device_id))
-            elif most is None:  # device lengths: the slots in use are known on the device only, where they are checked
+            elif device_lengths:  # the slots in use are known on the device only, where they are checked
                 table = xp.asarray(np.ascontiguousarray(host_array("block_table", block_table), dtype=np.int32))
             else:
                 total = np.full(batch, most) if start is not None else lens + lay.new
                 table = xp.asarray(_checked_table(block_table, total, lay).astype(np.int32))
-        if most is None:
-            most = lay.capacity
         stride = None if table is None else table.strides[0]
         plan = lay.plans.get(stride)  # the layout fixes all the plan depends on but a copied table's stride
         if plan is None:
