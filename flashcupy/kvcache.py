@@ -29,7 +29,7 @@ from . import api as _api
 from . import interop
 from .problem import dtype_name
 from .problem import device_array, make_device_problem, make_host_problem
-from .problem.validate import check_array, host_array
+from .problem.validate import check_array, check_float_dtype, host_array
 
 
 def _module(name: str, x: Any, xp: Any) -> None:
@@ -170,6 +170,8 @@ def flash_attention_with_kvcache(
         return _decode(lay, q, k_cache, v_cache, k, v, cache_seqlens, block_table, int(num_splits))
     # The general forward over each sequence's keys (NumPy, or calls the decode kernels do not take).
     xp, paged, batch, block_size, new = lay.xp, lay.paged, lay.batch, lay.block_size, lay.new
+    if new and xp is np:
+        _writable(k_cache, v_cache)
     lens, start = _seqlens(cache_seqlens, batch, lay.capacity)
     keys = _room(lay, lens, start)
     options["kv_lengths"] = total = np.full(batch, keys) if start is not None else lens + new
@@ -194,6 +196,15 @@ def flash_attention_with_kvcache(
                         for c in (k_cache, v_cache))
     pb, out, lse = _api._forward(q, k_seq, v_seq, options, prepared)
     return (out, lse) if pb.return_lse else out
+
+
+def _writable(k_cache: np.ndarray, v_cache: np.ndarray) -> None:
+    """A ValueError, before anything is written, unless both host caches can take an append
+    (the layout's checks hold for read-only arrays of the same shape too)."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not cache.flags.writeable:
+            raise ValueError(f"{name}: expected a writable array (new keys and values are written into the "
+                             f"caches in place), received a read-only one; nothing was written")
 
 
 def _room(lay: _Layout, lens: np.ndarray | None, start: int | None) -> int:
@@ -430,12 +441,13 @@ def _append(xp, k_cache, v_cache, k, v, lens, start, table, device_table, block_
 def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
     """Attention over two disjoint key sets combined into attention over their union.
 
-    out_a, out_b: (..., H, L, Dv) of one dtype; lse_a, lse_b: (..., H, L), float32 or float64,
-    the natural-log log-sum-exp of each part (as ``return_lse`` gives it). Returns (out, lse):
-    lse = logaddexp(lse_a, lse_b) and out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse),
-    computed in lse's dtype and rounded to out's once. A part with lse = -inf (no key) adds
-    nothing; where both are -inf, out is 0 and lse -inf, never NaN. NumPy or CuPy arrays, all
-    of one kind, returned as that kind.
+    out_a, out_b: (..., H, L, Dv) of one float dtype; lse_a, lse_b: (..., H, L), both float32
+    or both float64, the natural-log log-sum-exp of each part (as ``return_lse`` gives it).
+    Returns (out, lse): lse = logaddexp(lse_a, lse_b) and out = out_a exp(lse_a - lse) +
+    out_b exp(lse_b - lse), computed in lse's dtype and rounded to out's once. A part with
+    lse = -inf (no key) adds nothing; where both are -inf, out is 0 and lse -inf, never NaN.
+    NumPy or CuPy arrays, all of one kind, returned as that kind (NumPy arrays in the other
+    byte order are read in the native one).
     """
     check_array("out_a", out_a)
     xp = interop.array_module(out_a)
@@ -444,6 +456,10 @@ def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tu
                         f"{type(out_a).__name__}")
     for name, x in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         _module(name, x, xp)
+    if xp is np:  # the other byte order copied into the native one, as every entry point does
+        out_a, lse_a, out_b, lse_b = (host_array(name, x) for name, x in
+                                      (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)))
+    check_float_dtype("out_a", out_a)
     if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
         raise ValueError(f"out_b: expected out_a's shape {tuple(out_a.shape)} and dtype {dtype_name(out_a.dtype)}, "
                          f"received {tuple(out_b.shape)} {dtype_name(out_b.dtype)}")
@@ -451,8 +467,10 @@ def merge_attention_states(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tu
         if x.shape != out_a.shape[:-1]:
             raise ValueError(f"{name}: expected shape {tuple(out_a.shape[:-1])} (out's without Dv), "
                              f"received {tuple(x.shape)}")
-        if x.dtype not in (np.float32, np.float64) or x.dtype != lse_a.dtype:
-            raise TypeError(f"{name}: expected float32 or float64 like lse_a, received {dtype_name(x.dtype)}")
+        if x.dtype not in (np.float32, np.float64):
+            raise TypeError(f"{name}: expected float32 or float64, received {dtype_name(x.dtype)}")
+    if lse_b.dtype != lse_a.dtype:
+        raise TypeError(f"lse_b: expected lse_a's dtype {dtype_name(lse_a.dtype)}, received {dtype_name(lse_b.dtype)}")
     lse = xp.logaddexp(lse_a, lse_b)
     base = xp.where(lse != -np.inf, lse, 0)  # both parts empty: exp(-inf - 0) = 0 weights, out 0
     acc = np.float64 if np.float64 in (lse.dtype, out_a.dtype) else np.float32

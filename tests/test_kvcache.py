@@ -131,6 +131,22 @@ def test_overflowing_append_is_refused_before_writing():
     np.testing.assert_array_equal(kc, before)
 
 
+@pytest.mark.parametrize("read_only", ["k_cache", "v_cache"])
+def test_a_read_only_cache_is_refused_before_writing(read_only):
+    """An append into a host cache that cannot be written is a ValueError naming it, raised
+    before either cache is touched (the layout alone cannot tell: its key holds no flags)."""
+    q, kc, vc, k, v = _cache(np.random.default_rng(4))
+    fc.flash_attention_with_kvcache(q, kc.copy(), vc.copy(), k, v, cache_seqlens=[1, 2], backend="cpu")  # layout kept
+    caches = {"k_cache": kc, "v_cache": vc}
+    caches[read_only].flags.writeable = False
+    before = [kc.copy(), vc.copy()]
+    with pytest.raises(ValueError, match=f"{read_only}: expected a writable array"):
+        fc.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=[1, 2], backend="cpu")
+    np.testing.assert_array_equal(kc, before[0])
+    np.testing.assert_array_equal(vc, before[1])
+    fc.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=[1, 2], backend="cpu")  # no append: reading is fine
+
+
 @pytest.mark.parametrize("change, error, match", [
     (lambda a: {**a, "k": None}, ValueError, "k, v: expected both or neither"),
     (lambda a: {**a, "cache_seqlens": [1, 2, 3]}, ValueError, r"cache_seqlens: expected an int or a shape \(2,\)"),
@@ -188,8 +204,25 @@ def test_merge_checks_its_arguments():
         fc.merge_attention_states(out, lse, out[:1], lse)
     with pytest.raises(ValueError, match=r"lse_b: expected shape \(2, 3\)"):
         fc.merge_attention_states(out, lse, out, lse[:1])
-    with pytest.raises(TypeError, match="lse_b: expected float32 or float64 like lse_a"):
+    with pytest.raises(TypeError, match="lse_b: expected float32 or float64, received float16"):
         fc.merge_attention_states(out, lse, out, lse.astype(F16))
+    with pytest.raises(TypeError, match="lse_b: expected lse_a's dtype float32, received float64"):
+        fc.merge_attention_states(out, lse, out, lse.astype(F64))
+    with pytest.raises(TypeError, match="out_a: expected a floating dtype"):  # no integer outputs
+        fc.merge_attention_states(out.astype(np.int32), lse, out.astype(np.int32), lse)
+
+
+def test_merge_reads_the_other_byte_order():
+    """Big-endian parts merge as their native copies do, as every other entry point reads them."""
+    rs = np.random.default_rng(3)
+    out_a, out_b = (rs.standard_normal((2, 3, 4)) for _ in range(2))
+    lse_a, lse_b = (rs.standard_normal((2, 3)) for _ in range(2))
+    want = fc.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    swapped = [x.astype(x.dtype.newbyteorder("S")) for x in (out_a, lse_a, out_b, lse_b)]
+    got = fc.merge_attention_states(*swapped)
+    for g, w in zip(got, want):
+        assert g.dtype.isnative
+        np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.gpu
