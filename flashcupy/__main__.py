@@ -677,7 +677,7 @@ def explain_command(args: argparse.Namespace) -> int:
     try:
         print(explain(*standins, arch=args.arch, backward=not args.no_backward, deterministic=args.deterministic,
                       registers=args.registers, **options))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, NoKernelError) as exc:  # NoKernelError: no tile fits that GPU's shared memory
         raise UsageError(str(exc)) from exc
     return 0
 

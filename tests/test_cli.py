@@ -60,6 +60,8 @@ BAD_ARGUMENTS = [
     (["explain", "--shape", "2,8,64,64", "--arch", "hopper"], "arch: expected a compute capability"),
     (["explain", "--shape", "2,8,64,600", "--arch", "90"], "q: expected a head dim in 1..512, received 600"),
     (["explain", "--shape", "2,8,64,64", "--kv-shape", "2,3,64,64", "--arch", "90"], "k: expected a number of heads dividing q's 8"),
+    (["explain", "--shape", "1,1,64,512", "--dtype", "float64", "--arch", "80"],
+     "no float64 backward kernel for padded head dim 512 fits"),  # no tile fits that GPU: not a traceback
 ]
 
 
