@@ -163,6 +163,23 @@ def test_reports_what_the_function_raised() -> None:
     assert isinstance(exc.__cause__, RuntimeError)
 
 
+def test_reports_a_result_that_cannot_be_compared() -> None:
+    """An output of the wrong kind (out with its lse) or too few gradients is a failure on the
+    shrunk problem, not a bare error from the comparison."""
+    def with_lse(q, k, v, **options):
+        return fc.flash_attention(q, k, v, return_lse=True, backend="cpu", **options)
+
+    exc = _failure(with_lse, dtypes=("float32",), max_examples=5, seed=0)
+    assert "gave a result that cannot be compared (its output)" in str(exc)
+
+    def two_gradients(q, k, v, **options):
+        out, vjp = fc.flash_attention_vjp(q, k, v, backend="cpu", **options)
+        return out, lambda dout: vjp(dout)[:2]
+
+    exc = _failure(two_gradients, grads=True, max_examples=5, seed=0)
+    assert "gave a result that cannot be compared (its gradients)" in str(exc)
+
+
 def test_catches_wrong_gradients() -> None:
     def dk_doubled(q, k, v, **options):
         out, vjp = fc.flash_attention_vjp(q, k, v, backend="cpu", **options)

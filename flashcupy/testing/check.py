@@ -100,12 +100,18 @@ def _run(fn: Callable[..., Any], problem: AttentionProblem, convert: Callable[[n
             raise
         raise AssertionError(f"{name} raised {type(exc).__name__} on {what}: {exc}") from exc
     failures = []
-    forward = attention_close(out, problem.q, problem.k, problem.v, **problem.options)
-    failures += [forward.message] if not forward.ok else []
-    if grads:
-        per_grad = gradients_close(tuple(gradients), problem.dout, problem.q, problem.k, problem.v,
-                                   **problem.options)
-        failures += [c.message for c in per_grad.values() if not c.ok]
+    what = "its output"
+    try:
+        forward = attention_close(out, problem.q, problem.k, problem.v, **problem.options)
+        failures += [forward.message] if not forward.ok else []
+        if grads:
+            what = "its gradients"
+            per_grad = gradients_close(tuple(gradients), problem.dout, problem.q, problem.k, problem.v,
+                                       **problem.options)
+            failures += [c.message for c in per_grad.values() if not c.ok]
+    except (TypeError, ValueError) as exc:  # a result of the wrong kind or shape: a tuple for out, a gradient short
+        raise AssertionError(f"{name} gave a result that cannot be compared ({what}): {type(exc).__name__}: {exc}") \
+            from exc
     if failures:
         raise AssertionError("\n".join(failures))
 
