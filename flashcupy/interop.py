@@ -73,8 +73,11 @@ def to_numpy(x: Any) -> np.ndarray:
         try:
             return np.from_dlpack(x)
         except (BufferError, RuntimeError, TypeError) as exc:
+            # NumPy's DLPack takes no bfloat16 and torch exports no tensor that requires grad
+            hint = "; flashcupy.torch takes torch tensors of every dtype, with gradients" \
+                if type(x).__module__.startswith("torch") else ""
             raise TypeError(
-                f"cannot read a {type(x).__name__} of dtype {getattr(x, 'dtype', '?')} through DLPack: {exc}"
+                f"cannot read a {type(x).__name__} of dtype {getattr(x, 'dtype', '?')} through DLPack: {exc}{hint}"
             ) from exc
     if _has(x, "__cuda_array_interface__") or _has(x, "__dlpack__"):
         return to_device(x).get()

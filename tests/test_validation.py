@@ -148,6 +148,31 @@ def test_scalar_q(call):
         call(np.float32(3.0), k, v)
 
 
+def test_a_tensor_numpy_cannot_read_names_the_argument_and_the_way_in():
+    """torch tensors NumPy's DLPack cannot take (bfloat16; one that requires grad) are a
+    TypeError naming the argument and pointing to flashcupy.torch, not an error from inside
+    the validation about torch's dtype; so are torch tensors where a NumPy array is needed."""
+    torch = pytest.importorskip("torch")
+    bf16 = torch.zeros((1, 1, 4, 8), dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^q: expected an array, received Tensor of shape \(1, 1, 4, 8\) and dtype "
+                                        r"torch\.bfloat16 .*flashcupy\.torch takes torch tensors"):
+        fc.flash_attention(bf16, bf16, bf16, backend="cpu")
+    grad = torch.zeros((1, 1, 4, 8), requires_grad=True)
+    with pytest.raises(TypeError, match=r"^q: expected an array, .*require gradient"):
+        fc.flash_attention(grad, grad.detach(), grad.detach(), backend="cpu")
+    with pytest.raises(TypeError, match="^out_a: expected a NumPy or CuPy array, received torch.Tensor"):
+        fc.merge_attention_states(torch.zeros(1, 4, 8), torch.zeros(1, 4), torch.zeros(1, 4, 8), torch.zeros(1, 4))
+
+
+def test_a_foreign_dtype_is_named_as_its_library_names_it():
+    class Dtype:
+        def __str__(self):
+            return "other.float8"
+
+    assert fc.problem.dtype_name(Dtype()) == "other.float8"
+    assert fc.problem.dtype_name(np.dtype(">f4")) == "float32 (big-endian)"
+
+
 def test_long_repr_is_truncated():
     _, k, v = make_qkv()
     with pytest.raises(TypeError, match=r"^q: expected an array, received list \[\['x'") as info:

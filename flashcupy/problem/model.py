@@ -28,8 +28,12 @@ MAX_HEAD_DIM = 512
 
 def dtype_name(dtype: Any) -> str:
     """Human name of a dtype ('bfloat16' for ml_dtypes' bfloat16), with its byte order when
-    it is not the machine's ('float32 (big-endian)')."""
-    dtype = np.dtype(dtype)
+    it is not the machine's ('float32 (big-endian)'); another library's dtype that NumPy does
+    not read (torch.bfloat16) by its own name."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return str(dtype)
     if dtype.isnative:
         return dtype.name
     return f"{dtype.name} ({'big' if dtype.byteorder == '>' else 'little'}-endian)"

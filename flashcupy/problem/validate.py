@@ -46,7 +46,11 @@ def check_array(name: str, x: Any) -> None:
     """A TypeError unless ``x`` is an array of numbers."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
         raise TypeError(f"{name}: expected an array, received {describe(x)}")
-    if np.dtype(x.dtype).kind == "O":
+    try:
+        kind = np.dtype(x.dtype).kind
+    except TypeError:  # another library's dtype (a torch tensor's): its conversion says what fails
+        return
+    if kind == "O":
         raise TypeError(f"{name}: expected an array of numbers, received {describe(x)}")
 
 
