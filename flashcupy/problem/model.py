@@ -26,14 +26,23 @@ FLOAT_DTYPES = (
 MAX_HEAD_DIM = 512
 
 
+def numpy_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype`` as NumPy's, or None for another library's that NumPy does not read
+    (torch.bfloat16)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return None
+
+
 def dtype_name(dtype: Any) -> str:
     """Human name of a dtype ('bfloat16' for ml_dtypes' bfloat16), with its byte order when
     it is not the machine's ('float32 (big-endian)'); another library's dtype that NumPy does
     not read (torch.bfloat16) by its own name."""
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
+    found = numpy_dtype(dtype)
+    if found is None:
         return str(dtype)
+    dtype = found
     if dtype.isnative:
         return dtype.name
     return f"{dtype.name} ({'big' if dtype.byteorder == '>' else 'little'}-endian)"

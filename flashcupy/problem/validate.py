@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .. import interop
-from .model import FLOAT_DTYPES, dtype_name
+from .model import FLOAT_DTYPES, dtype_name, numpy_dtype
 
 
 def is_int(x: Any) -> bool:
@@ -46,11 +46,8 @@ def check_array(name: str, x: Any) -> None:
     """A TypeError unless ``x`` is an array of numbers."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
         raise TypeError(f"{name}: expected an array, received {describe(x)}")
-    try:
-        kind = np.dtype(x.dtype).kind
-    except TypeError:  # another library's dtype (a torch tensor's): its conversion says what fails
-        return
-    if kind == "O":
+    dtype = numpy_dtype(x.dtype)  # None: another library's (a torch tensor's), its conversion says what fails
+    if dtype is not None and dtype.kind == "O":
         raise TypeError(f"{name}: expected an array of numbers, received {describe(x)}")
 
 

@@ -110,8 +110,8 @@ def _run(fn: Callable[..., Any], problem: AttentionProblem, convert: Callable[[n
                                        **problem.options)
             failures += [c.message for c in per_grad.values() if not c.ok]
     except (TypeError, ValueError) as exc:  # a result of the wrong kind or shape: a tuple for out, a gradient short
-        raise AssertionError(f"{name} gave a result that cannot be compared ({what}): {type(exc).__name__}: {exc}") \
-            from exc
+        raise AssertionError(
+            f"{name} gave a result that cannot be compared ({what}): {type(exc).__name__}: {exc}") from exc
     if failures:
         raise AssertionError("\n".join(failures))
 
